@@ -1,0 +1,33 @@
+"""remat: activation checkpointing (rematerialization) for PyTorch.
+
+A drop-in replacement for ``torch.utils.checkpoint``::
+
+    import remat
+    y = remat.checkpoint(block, x)          # non-reentrant, no warning
+    y = remat.checkpoint_sequential(model, 4, x)
+"""
+
+from .checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled, set_checkpoint_early_stop
+from .determinism import CheckpointError
+from .nonreentrant import GraphExecGroup
+from .reentrant import CheckpointFunction, check_backward_validity, detach_variable
+from .sequential import checkpoint_sequential
+from .state import DefaultDeviceType, get_device_states, set_device_states
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFunction",
+    "DefaultDeviceType",
+    "GraphExecGroup",
+    "check_backward_validity",
+    "checkpoint",
+    "checkpoint_sequential",
+    "detach_variable",
+    "get_device_states",
+    "noop_context_fn",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
+    "set_device_states",
+]

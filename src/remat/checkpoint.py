@@ -1,0 +1,118 @@
+"""``remat.checkpoint``: argument handling, global switches and the choice of variant."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from .determinism import metadata_fn_for
+from .nonreentrant import run_nonreentrant
+from .reentrant import CheckpointFunction
+
+__all__ = [
+    "checkpoint",
+    "noop_context_fn",
+    "set_checkpoint_debug_enabled",
+    "set_checkpoint_early_stop",
+]
+
+
+def noop_context_fn() -> tuple[contextlib.nullcontext, contextlib.nullcontext]:
+    """The default ``context_fn``: no extra context for forward or recomputation.
+
+    Example:
+        >>> forward_ctx, recompute_ctx = noop_context_fn()
+    """
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+class _GlobalSwitch:
+    """A global override that is set by a call and undone by leaving a ``with`` block."""
+
+    value: bool | None = None
+
+    def __init__(self, enabled: bool | None) -> None:
+        cls = type(self)
+        self._previous = cls.value
+        cls.value = enabled
+
+    def __enter__(self) -> _GlobalSwitch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        type(self).value = self._previous
+
+    @classmethod
+    def resolve(cls, local: bool) -> bool:
+        return local if cls.value is None else cls.value
+
+
+class set_checkpoint_early_stop(_GlobalSwitch):  # noqa: N801 - drop-in name
+    """Override ``early_stop`` for every checkpoint run in forward from now (or in a ``with`` block).
+
+    Early stop ends a recomputation as soon as every tensor backward needs
+    has been rebuilt.  The setting is read when the region's forward runs.
+
+    Example:
+        >>> with set_checkpoint_early_stop(False):
+        ...     y = checkpoint(torch.sin, x)  # recomputes the whole function
+        >>> set_checkpoint_early_stop(None)  # called bare: sets the global; None = per call
+    """
+
+    value: bool | None = None
+
+
+class set_checkpoint_debug_enabled(_GlobalSwitch):  # noqa: N801 - drop-in name
+    """Override ``debug`` for every checkpoint (``None`` defers to each call's own flag).
+
+    Example:
+        >>> with set_checkpoint_debug_enabled(True):
+        ...     y = checkpoint(fn, x)  # a mismatch error will show operator traces
+    """
+
+    value: bool | None = None
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
+
+    Drop-in for ``torch.utils.checkpoint.checkpoint``.  ``use_reentrant=None``
+    (the default) selects the non-reentrant variant, silently.
+    ``preserve_rng_state`` (default True) travels in ``kwargs`` as in PyTorch.
+
+    Example:
+        >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = remat.checkpoint(block, x)
+        >>> y.sum().backward()
+    """
+    preserve_rng_state = kwargs.pop("preserve_rng_state", True)
+    if use_reentrant:
+        if kwargs:
+            raise ValueError(
+                f"remat: the reentrant checkpoint takes no keyword arguments for the function "
+                f"(got {', '.join(kwargs)}); pass use_reentrant=False or bind them with functools.partial."
+            )
+        if context_fn is not noop_context_fn or debug:
+            raise ValueError("remat: context_fn and debug need use_reentrant=False.")
+        return CheckpointFunction.apply(function, preserve_rng_state, *args)
+    return run_nonreentrant(
+        function,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        metadata_fn=metadata_fn_for(determinism_check),
+        debug=set_checkpoint_debug_enabled.resolve(debug),
+        early_stop=set_checkpoint_early_stop.resolve(early_stop),
+    )
