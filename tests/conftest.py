@@ -1,0 +1,20 @@
+import pytest
+import torch
+
+
+def hooks_on_stack():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@pytest.fixture(autouse=True)
+def no_hook_left_behind():
+    """Every test must leave the saved-tensor hook stack as it found it: empty."""
+    assert hooks_on_stack() is None
+    yield
+    assert hooks_on_stack() is None, "a saved-tensor hook was left pushed"
+
+
+@pytest.fixture(autouse=True)
+def deterministic_threads():
+    torch.set_num_threads(1)
+    yield

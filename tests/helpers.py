@@ -1,0 +1,56 @@
+"""Small models and gradient helpers shared by the tests."""
+
+import torch
+from torch import nn
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int = 16, hidden: int = 32, p: float = 0.25) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, depth: int = 4, width: int = 16, hidden: int = 32, p: float = 0.25) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(width, hidden, p) for _ in range(depth))
+
+    def forward(self, x, wrap=None):
+        for block in self.blocks:
+            x = wrap(block, x) if wrap is not None else block(x)
+        return x
+
+
+def grads(loss_fn, params, seed=0):
+    """Loss and gradients of loss_fn() w.r.t. params, with a fixed RNG seed."""
+    torch.manual_seed(seed)
+    loss = loss_fn()
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y), f"max abs diff {(x - y).abs().max().item()}"
+
+
+def backward_grads(loss_fn, params, seed=0, **backward_kwargs):
+    """Like grads() but through .backward(), which the reentrant variant needs."""
+    for p in params:
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = loss_fn()
+    loss.backward(**backward_kwargs)
+    out = tuple(p.grad for p in params)
+    for p in params:
+        p.grad = None
+    return loss.detach(), out
