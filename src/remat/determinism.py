@@ -131,12 +131,20 @@ class OpTrace(TorchDispatchMode):
         return self
 
 
+def first_op_divergence(forward: list[tuple[str, str]], recompute: list[tuple[str, str]],
+                        complete: bool) -> int | None:
+    """Index of the first operator that differs; a stopped recompute is compared as a prefix."""
+    for i in range(min(len(forward), len(recompute))):
+        if forward[i][0] != recompute[i][0]:
+            return i
+    if complete and len(forward) != len(recompute):
+        return min(len(forward), len(recompute))
+    return None
+
+
 def _side_by_side(forward: list[tuple[str, str]], recompute: list[tuple[str, str]]) -> str:
     width = max([len(f"{op} @ {where}") for op, where in forward] + [24])
-    first_diff = next(
-        (i for i in range(min(len(forward), len(recompute))) if forward[i][0] != recompute[i][0]),
-        None,
-    )
+    first_diff = first_op_divergence(forward, recompute, complete=False)
     lines = [f"     {'#':>4}  {'original forward':<{width}}  recomputation", "     " + "-" * (width + 30)]
     for i in range(max(len(forward), len(recompute))):
         left = "{} @ {}".format(*forward[i]) if i < len(forward) else ""
@@ -182,7 +190,13 @@ class Divergence:
 
     def to_error(self, fn: Any, traces: tuple[OpTrace, OpTrace] | None) -> CheckpointError:
         region = describe_function(fn)
-        if self.kind == "metadata":
+        if self.kind == "operators":
+            head = (
+                f"remat: recomputing {region} ran different operators than the original forward "
+                f"(first difference at operator #{self.index}); its saved tensors kept their shapes, "
+                "so only debug mode can see this."
+            )
+        elif self.kind == "metadata":
             head = (
                 f"remat: recomputing {region} produced a different tensor at saved position "
                 f"{self.index}:\n  forward saved:      {_format_meta(self.expected)}\n"

@@ -31,7 +31,7 @@ import torch
 from torch._C._autograd import _pop_saved_tensors_default_hooks, _push_saved_tensors_default_hooks
 from torch.utils import _pytree as pytree
 
-from .determinism import CheckpointError, Divergence, OpTrace, describe_function
+from .determinism import CheckpointError, Divergence, OpTrace, describe_function, first_op_divergence
 from .state import ReplayState
 
 __all__ = ["GraphExecGroup", "run_nonreentrant"]
@@ -264,10 +264,9 @@ class _Refill:
         self.divergence: Divergence | None = None
         self.stopped = False
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        if x.requires_grad:
-            # Keep only the value: holding the recompute graph would keep all of it alive.
-            x = x.detach()
+    def pack(self, recomputed: torch.Tensor) -> torch.Tensor:
+        # Keep only the value: holding the recompute graph would keep all of it alive.
+        x = recomputed.detach() if recomputed.requires_grad else recomputed
         index = self.seen
         self.seen = index + 1
         frame = self.frame
@@ -276,7 +275,8 @@ class _Refill:
                 if frame.metadata_fn is not None:
                     got = frame.metadata_fn(x)
                     if got != frame.metas[index]:
-                        producer = x.grad_fn.name() if x.grad_fn is not None else None
+                        grad_fn = recomputed.grad_fn
+                        producer = grad_fn.name() if grad_fn is not None else None
                         self._stop(Divergence("metadata", index=index, expected=frame.metas[index],
                                               got=got, producer=producer))
                 self.tensors[index] = x
@@ -297,6 +297,11 @@ class _Refill:
         frame = self.frame
         if self.divergence is None and not self.stopped and frame.forward_done and self.seen < len(self.tensors):
             self.divergence = Divergence("fewer", forward_count=len(self.tensors), recompute_count=self.seen)
+        if self.divergence is None and frame.traces is not None and frame.forward_done:
+            forward_ops, recompute_ops = frame.traces[0].ops, frame.traces[1].ops
+            index = first_op_divergence(forward_ops, recompute_ops, complete=not self.stopped)
+            if index is not None:
+                self.divergence = Divergence("operators", index=index)
         if self.divergence is not None:
             raise self.divergence.to_error(frame.fn, frame.traces)
 
