@@ -38,7 +38,7 @@ def test_two_hundred_steps_leave_no_frames_placeholders_hooks_or_tensors():
     assert hooks_on_stack() is None
     assert live(_Frame) == frames == 0
     assert live(_Placeholder) == placeholders == 0
-    assert live(torch.Tensor) == tensors
+    assert live(torch.Tensor) <= tensors
 
 
 def test_frames_die_with_the_graph_even_without_backward():

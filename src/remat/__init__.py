@@ -7,8 +7,17 @@ A drop-in replacement for ``torch.utils.checkpoint``::
     y = remat.checkpoint_sequential(model, 4, x)
 """
 
+from . import models
 from .checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled, set_checkpoint_early_stop
 from .determinism import CheckpointError
+from .memory import StepMemory, measure_step
+from .modules import (
+    ActivationWrapper,
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from .nonreentrant import GraphExecGroup
 from .reentrant import CheckpointFunction, check_backward_validity, detach_variable
 from .sequential import checkpoint_sequential
@@ -17,6 +26,14 @@ from .state import DefaultDeviceType, get_device_states, set_device_states
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationWrapper",
+    "CheckpointImpl",
+    "CheckpointWrapper",
+    "StepMemory",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
+    "measure_step",
+    "models",
     "CheckpointError",
     "CheckpointFunction",
     "DefaultDeviceType",

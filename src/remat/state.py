@@ -121,7 +121,9 @@ def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
     return ids, _device_rng_states(device_type, ids)
 
 
-def set_device_states(devices: list[int], states: list[torch.Tensor], *, device_type: str | None = None) -> None:
+def set_device_states(
+    devices: list[int], states: list[torch.Tensor], *, device_type: str | None = None
+) -> None:
     """Restore RNG states taken by :func:`get_device_states`.
 
     Example:
