@@ -180,12 +180,19 @@ class _Frame:
         return pytree.tree_unflatten(leaves, self.spec)
 
     # ---- forward hook -------------------------------------------------------
-    def pack(self, x: torch.Tensor) -> _Placeholder:
-        placeholder = _Placeholder(len(self.placeholders))
-        self.placeholders.append(weakref.ref(placeholder))
-        if self.metadata_fn is not None:
-            self.metas.append(self.metadata_fn(x))
-        return placeholder
+    def make_pack_hook(self) -> Callable[[torch.Tensor], _Placeholder]:
+        """The forward pack hook, with everything it touches bound as locals (it runs per saved tensor)."""
+        placeholders, new_ref, remember = self.placeholders, weakref.ref, self.placeholders.append
+        metadata_fn, keep_metadata = self.metadata_fn, self.metas.append
+
+        def pack(x: torch.Tensor) -> _Placeholder:
+            placeholder = _Placeholder(len(placeholders))
+            remember(new_ref(placeholder))
+            if metadata_fn is not None:
+                keep_metadata(metadata_fn(x))
+            return placeholder
+
+        return pack
 
     def unpack(self, placeholder: _Placeholder) -> torch.Tensor:
         key = _get_group()
@@ -231,10 +238,10 @@ class _Frame:
             # Placeholders released by an earlier partial backward need no refill.
             while stop_at and self.placeholders[stop_at - 1]() is None:
                 stop_at -= 1
-        refill = _Refill(self, stop_at)
+        refill = _Refill(self)
         args, kwargs = self._inputs()
         trace = self.traces[1] if self.traces else None
-        _push_saved_tensors_default_hooks(refill.pack, _identity)
+        _push_saved_tensors_default_hooks(refill.make_pack_hook(stop_at if self.early_stop else -1), _identity)
         try:
             with torch.enable_grad(), self.state.replay(), self.recompute_context:
                 if trace is None:
@@ -254,39 +261,43 @@ class _Frame:
 class _Refill:
     """The recomputation's pack hook: files each saved tensor under its placeholder index."""
 
-    __slots__ = ("frame", "tensors", "stop_at", "seen", "divergence", "stopped")
+    __slots__ = ("frame", "tensors", "seen", "divergence", "stopped")
 
-    def __init__(self, frame: _Frame, stop_at: int) -> None:
+    def __init__(self, frame: _Frame) -> None:
         self.frame = frame
         self.tensors: list[Any] = [None] * len(frame.placeholders)
-        self.stop_at = stop_at if frame.early_stop else -1
         self.seen = 0
         self.divergence: Divergence | None = None
         self.stopped = False
 
-    def pack(self, recomputed: torch.Tensor) -> torch.Tensor:
-        # Keep only the value: holding the recompute graph would keep all of it alive.
-        x = recomputed.detach() if recomputed.requires_grad else recomputed
-        index = self.seen
-        self.seen = index + 1
-        frame = self.frame
-        if index < len(self.tensors):
-            if frame.placeholders[index]() is not None:
-                if frame.metadata_fn is not None:
-                    got = frame.metadata_fn(x)
-                    if got != frame.metas[index]:
+    def make_pack_hook(self, stop_at: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The pack hook of one recomputation; ``stop_at`` < 0 disables early stop."""
+        frame, tensors, count = self.frame, self.tensors, len(self.tensors)
+        placeholders, metas, metadata_fn, forward_done = (
+            frame.placeholders, frame.metas, frame.metadata_fn, frame.forward_done
+        )
+
+        def pack(recomputed: torch.Tensor) -> torch.Tensor:
+            # Keep only the value: holding the recompute graph would keep all of it alive.
+            x = recomputed.detach() if recomputed.requires_grad else recomputed
+            index = self.seen
+            self.seen = index + 1
+            if index < count:
+                if placeholders[index]() is not None:
+                    if metadata_fn is not None and metadata_fn(x) != metas[index]:
                         grad_fn = recomputed.grad_fn
-                        producer = grad_fn.name() if grad_fn is not None else None
-                        self._stop(Divergence("metadata", index=index, expected=frame.metas[index],
-                                              got=got, producer=producer))
-                self.tensors[index] = x
-            if self.seen == self.stop_at:
-                self._stop(None)
-        elif frame.forward_done:
-            self._stop(Divergence("more", forward_count=len(self.tensors)))
-        # else: backward was called inside the still-running forward; the rest
-        # of the region runs but saved nothing yet that needs a refill.
-        return x
+                        self._stop(Divergence("metadata", index=index, expected=metas[index], got=metadata_fn(x),
+                                              producer=grad_fn.name() if grad_fn is not None else None))
+                    tensors[index] = x
+                if index + 1 == stop_at:
+                    self._stop(None)
+            elif forward_done:
+                self._stop(Divergence("more", forward_count=count))
+            # else: backward was called inside the still-running forward; the rest
+            # of the region runs but saved nothing yet that needs a refill.
+            return x
+
+        return pack
 
     def _stop(self, divergence: Divergence | None) -> None:
         self.divergence = divergence
@@ -326,7 +337,7 @@ def run_nonreentrant(
     tensors = frame.save_inputs(args, kwargs)
     frame.state = state = ReplayState.capture(tensors, preserve_rng_state)
     result = _NO_RESULT = object()
-    _push_saved_tensors_default_hooks(frame.pack, frame.unpack)
+    _push_saved_tensors_default_hooks(frame.make_pack_hook(), frame.unpack)
     try:
         with forward_context:
             if traces is None:
