@@ -7,7 +7,7 @@ A drop-in replacement for ``torch.utils.checkpoint``::
     y = remat.checkpoint_sequential(model, 4, x)
 """
 
-from . import models
+from . import models, policies
 from .checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled, set_checkpoint_early_stop
 from .determinism import CheckpointError
 from .memory import StepMemory, measure_step
@@ -19,14 +19,31 @@ from .modules import (
     checkpoint_wrapper,
 )
 from .nonreentrant import GraphExecGroup
+from .offload import OffloadStats, offload, save_on_cpu
 from .reentrant import CheckpointFunction, check_backward_validity, detach_variable
+from .selective import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+    tag,
+)
 from .sequential import checkpoint_sequential
 from .state import DefaultDeviceType, get_device_states, set_device_states
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SAC_IGNORED_OPS",
     "ActivationWrapper",
+    "CheckpointPolicy",
+    "OffloadStats",
+    "SelectiveCheckpointContext",
+    "create_selective_checkpoint_contexts",
+    "offload",
+    "policies",
+    "save_on_cpu",
+    "tag",
     "CheckpointImpl",
     "CheckpointWrapper",
     "StepMemory",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from .determinism import metadata_fn_for
 from .nonreentrant import run_nonreentrant
 from .reentrant import CheckpointFunction
+from .selective import create_selective_checkpoint_contexts
 
 __all__ = [
     "checkpoint",
@@ -82,6 +84,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    policy: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
@@ -89,6 +92,9 @@ def checkpoint(
     Drop-in for ``torch.utils.checkpoint.checkpoint``.  ``use_reentrant=None``
     (the default) selects the non-reentrant variant, silently.
     ``preserve_rng_state`` (default True) travels in ``kwargs`` as in PyTorch.
+    ``policy`` (a :mod:`remat.policies` policy, a policy function or a list of
+    ops) selects what to keep, offload or recompute, op by op; it is sugar for
+    ``context_fn=partial(create_selective_checkpoint_contexts, policy)``.
 
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -97,6 +103,10 @@ def checkpoint(
         >>> y.sum().backward()
     """
     preserve_rng_state = kwargs.pop("preserve_rng_state", True)
+    if policy is not None:
+        if context_fn is not noop_context_fn:
+            raise ValueError("remat: pass either policy= or context_fn=, not both (a policy is a context_fn).")
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     if use_reentrant:
         if kwargs:
             raise ValueError(
@@ -104,7 +114,7 @@ def checkpoint(
                 f"(got {', '.join(kwargs)}); pass use_reentrant=False or bind them with functools.partial."
             )
         if context_fn is not noop_context_fn or debug:
-            raise ValueError("remat: context_fn and debug need use_reentrant=False.")
+            raise ValueError("remat: context_fn, policy and debug need use_reentrant=False.")
         return CheckpointFunction.apply(function, preserve_rng_state, *args)
     return run_nonreentrant(
         function,

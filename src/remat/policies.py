@@ -1,0 +1,166 @@
+"""Ready-made selective-checkpointing policies: small rules that combine with ``|``.
+
+A :class:`Policy` has two parts, each a small pure function:
+
+* an *op rule* ``(op) -> CheckpointPolicy | None``: what to do with the
+  output of an operator (``None``: no opinion);
+* a *name rule* ``(name) -> CheckpointPolicy | None``: what to do with a
+  tensor marked by :func:`remat.tag`; it overrides the op rule for that tensor.
+
+``a | b`` (or :func:`combine`) asks both and takes the stronger answer:
+``MUST_*`` beats ``PREFER_*``, and at equal strength keeping beats offloading
+beats recomputing.  With no opinion at all the output is recomputed.
+
+Example:
+    >>> policy = save_matmuls | offload_names("attn_probs")
+    >>> y = remat.checkpoint(block, x, policy=policy)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .selective import CheckpointPolicy, SelectiveCheckpointContext, _ops
+
+__all__ = [
+    "MATMUL_OPS",
+    "Policy",
+    "combine",
+    "offload_names",
+    "save_all_but_names",
+    "save_matmuls",
+    "save_names",
+    "save_nothing",
+]
+
+Decision = CheckpointPolicy | None
+
+_P = CheckpointPolicy
+_RANK = {
+    _P.PREFER_RECOMPUTE: 0, _P.PREFER_CPU_OFFLOAD: 1, _P.PREFER_SAVE: 2,
+    _P.MUST_RECOMPUTE: 3, _P.MUST_CPU_OFFLOAD: 4, _P.MUST_SAVE: 5,
+}
+
+
+def _stronger(a: Decision, b: Decision) -> Decision:
+    if a is None or b is None:
+        return a if b is None else b
+    return a if _RANK[a] >= _RANK[b] else b
+
+
+def _no_opinion(_: Any) -> Decision:
+    return None
+
+
+class Policy:
+    """A selective-checkpointing policy; callable as a PyTorch-style ``policy_fn``.
+
+    Example:
+        >>> keep_mm = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default
+        ...                  else None, name="keep mm")
+    """
+
+    def __init__(
+        self,
+        op_rule: Callable[[Any], Decision] = _no_opinion,
+        name_rule: Callable[[str], Decision] = _no_opinion,
+        name: str = "policy",
+    ) -> None:
+        self.op_rule = op_rule
+        self.name_rule = name_rule
+        self.name = name
+
+    def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return self.op_rule(op) or CheckpointPolicy.PREFER_RECOMPUTE
+
+    def decide_name(self, name: str) -> Decision:
+        """The decision for a tensor tagged ``name`` (None: keep the op rule's)."""
+        return self.name_rule(name)
+
+    def __or__(self, other: Policy) -> Policy:
+        return combine(self, other)
+
+    def __repr__(self) -> str:
+        return f"<remat policy {self.name}>"
+
+
+def combine(*policies: Policy) -> Policy:
+    """One policy that asks each of ``policies`` and takes the strongest answer.
+
+    Example:
+        >>> both = combine(save_matmuls, save_names("x"))
+    """
+
+    def op_rule(op: Any) -> Decision:
+        decision = None
+        for p in policies:
+            decision = _stronger(decision, p.op_rule(op))
+        return decision
+
+    def name_rule(name: str) -> Decision:
+        decision = None
+        for p in policies:
+            decision = _stronger(decision, p.name_rule(name))
+        return decision
+
+    return Policy(op_rule, name_rule, name=" | ".join(p.name for p in policies))
+
+
+#: Operators whose outputs ``save_matmuls`` keeps: the expensive, compute-bound ones.
+MATMUL_OPS = frozenset(
+    _ops(
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "matmul", "linear", "_int_mm",
+        "convolution", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_attention_math", "_scaled_mm",
+    )
+)
+
+save_nothing = Policy(name="save_nothing")
+save_nothing.__doc__ = "Recompute everything: the same as plain checkpointing."
+
+save_matmuls = Policy(
+    op_rule=lambda op: CheckpointPolicy.PREFER_SAVE if op in MATMUL_OPS else None,
+    name="save_matmuls",
+)
+
+
+def save_names(*names: str) -> Policy:
+    """Keep the tensors tagged with one of ``names``; recompute the rest.
+
+    Example:
+        >>> policy = save_names("attn_out", "mlp_in")
+    """
+    chosen = frozenset(names)
+    return Policy(
+        name_rule=lambda n: CheckpointPolicy.MUST_SAVE if n in chosen else None,
+        name=f"save_names{tuple(names)}",
+    )
+
+
+def offload_names(*names: str) -> Policy:
+    """Keep the tensors tagged with one of ``names`` in host memory; recompute the rest.
+
+    Example:
+        >>> policy = save_matmuls | offload_names("attn_probs")
+    """
+    chosen = frozenset(names)
+    return Policy(
+        name_rule=lambda n: CheckpointPolicy.MUST_CPU_OFFLOAD if n in chosen else None,
+        name=f"offload_names{tuple(names)}",
+    )
+
+
+def save_all_but_names(*names: str) -> Policy:
+    """Keep every op output except the tensors tagged with one of ``names``.
+
+    Example:
+        >>> policy = save_all_but_names("big_intermediate")
+    """
+    chosen = frozenset(names)
+    return Policy(
+        op_rule=lambda op: CheckpointPolicy.PREFER_SAVE,
+        name_rule=lambda n: CheckpointPolicy.MUST_RECOMPUTE if n in chosen else None,
+        name=f"save_all_but_names{tuple(names)}",
+    )
