@@ -23,6 +23,7 @@ them reruns the outer region, which meets the inner checkpoint again.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,12 @@ class _InputSaver(torch.autograd.Function):
 
 # _InputSaver needs one input that requires grad for autograd to record it.
 _ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def _drop_refill(frame_ref: weakref.ref[_Frame], key: int) -> None:
+    frame = frame_ref()
+    if frame is not None:
+        frame.refills.pop(key, None)
 
 
 def _identity(x: Any) -> Any:
@@ -206,7 +213,8 @@ class _Frame:
         if refill is None:
             refill = self.refills[key] = self._recompute()
             if isinstance(key, int):
-                _queue_callback(lambda: self.refills.pop(key, None))
+                # Weakly: the frame must be free to die as soon as its part of the graph has run.
+                _queue_callback(functools.partial(_drop_refill, weakref.ref(self), key))
             elif isinstance(key, GraphExecGroup):
                 key._frames.append(weakref.ref(self))
         index = placeholder.index
