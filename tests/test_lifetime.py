@@ -130,3 +130,23 @@ def _mlp_peak(checkpointed: bool) -> int:
 def test_six_block_mlp_whole_step_peak_is_at_most_40_percent():
     plain, checkpointed = _mlp_peak(False), _mlp_peak(True)
     assert checkpointed <= 0.40 * plain, (checkpointed, plain)
+
+
+def test_a_region_is_freed_during_backward_once_its_nodes_ran():
+    x = torch.randn(64, requires_grad=True)
+
+    def first(t):
+        return t.sin().exp()
+
+    def second(t):
+        return t.cos().exp()
+
+    h = remat.checkpoint(first, x)
+    y = remat.checkpoint(second, h)
+    (second_frame,) = [o for o in gc.get_objects() if isinstance(o, _Frame) and o.fn is second]
+    ref = weakref.ref(second_frame)
+    del second_frame
+    seen = []
+    h.register_hook(lambda g: seen.append(ref() is None))  # runs between the two regions' backward
+    y.sum().backward()
+    assert seen == [True]
