@@ -15,8 +15,10 @@ from .modules import (
     ActivationWrapper,
     CheckpointImpl,
     CheckpointWrapper,
+    OffloadWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
+    offload_wrapper,
 )
 from .nonreentrant import GraphExecGroup
 from .offload import OffloadStats, offload, save_on_cpu
@@ -41,11 +43,13 @@ __all__ = [
     "SelectiveCheckpointContext",
     "create_selective_checkpoint_contexts",
     "offload",
+    "offload_wrapper",
     "policies",
     "save_on_cpu",
     "tag",
     "CheckpointImpl",
     "CheckpointWrapper",
+    "OffloadWrapper",
     "StepMemory",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",

@@ -19,13 +19,16 @@ import torch
 from torch import nn
 
 from .checkpoint import checkpoint
+from .offload import offload
 
 __all__ = [
     "ActivationWrapper",
     "CheckpointImpl",
     "CheckpointWrapper",
+    "OffloadWrapper",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
+    "offload_wrapper",
 ]
 
 _WRAPPED = "_checkpoint_wrapped_module"
@@ -149,6 +152,36 @@ def checkpoint_wrapper(
     return CheckpointWrapper(module, checkpoint_impl, checkpoint_fn, **checkpoint_fn_kwargs)
 
 
+class OffloadWrapper(ActivationWrapper):
+    """Runs the wrapped module under :class:`remat.offload`: its large saved tensors go to host memory.
+
+    The offloader (and its pinned buffer pool) lives as long as the wrapper, so
+    buffers are reused from step to step; ``wrapper.offloader.stats`` counts
+    what was moved.
+
+    Example:
+        >>> block = OffloadWrapper(torch.nn.Linear(4, 4), min_bytes=0)
+    """
+
+    def __init__(self, module: nn.Module, **offload_kwargs: Any) -> None:
+        super().__init__(module)
+        offload_kwargs.setdefault("modules", [module])
+        self.offloader = offload(**offload_kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.offloader:
+            return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
+def offload_wrapper(module: nn.Module, **offload_kwargs: Any) -> OffloadWrapper:
+    """Wrap ``module`` so the activations it saves are offloaded to host memory.
+
+    Example:
+        >>> block = offload_wrapper(torch.nn.Linear(4, 4))
+    """
+    return OffloadWrapper(module, **offload_kwargs)
+
+
 def _public_name(qualified: str) -> str:
     return qualified.replace(_PREFIX, "")
 
@@ -160,14 +193,16 @@ def apply_activation_checkpointing(
     auto_wrap_policy: Any = None,
     *,
     every_n: int = 1,
+    policy: Any = None,
     use_reentrant: bool = False,
 ) -> list[str]:
     """Wrap, in place, every ``every_n``-th submodule for which ``check_fn`` is true.
 
     Only the outermost matching modules are wrapped (a wrapped block's
     children are not wrapped again), and modules already wrapped are left
-    alone, so calling it twice never checkpoints anything twice.  Returns the
-    qualified names of the modules it wrapped.
+    alone, so calling it twice never checkpoints anything twice.  ``policy``
+    (see :mod:`remat.policies`) makes the wrapped blocks selective.  Returns
+    the qualified names of the modules it wrapped.
 
     Example:
         >>> model = remat.models.GPT()
@@ -180,8 +215,10 @@ def apply_activation_checkpointing(
         )
     if every_n < 1:
         raise ValueError(f"every_n must be >= 1, got {every_n}.")
-    if use_reentrant and checkpoint_wrapper_fn is checkpoint_wrapper:
-        checkpoint_wrapper_fn = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)
+    if checkpoint_wrapper_fn is checkpoint_wrapper and (use_reentrant or policy is not None):
+        impl = CheckpointImpl.REENTRANT if use_reentrant else CheckpointImpl.NO_REENTRANT
+        extra = {} if policy is None else {"policy": policy}
+        checkpoint_wrapper_fn = functools.partial(checkpoint_wrapper, checkpoint_impl=impl, **extra)
     matches: list[tuple[str, nn.Module]] = []
     skip_below: list[str] = []
     for name, module in model.named_modules():

@@ -171,6 +171,10 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         self._counter = 0
         super().__init__(self._pack, self._unpack)
 
+    def __enter__(self) -> offload:
+        super().__enter__()
+        return self
+
     def _should_offload(self, tensor: torch.Tensor) -> bool:
         return (
             tensor.device.type == self.device_type

@@ -1,0 +1,53 @@
+"""Hugging Face models built from configs (no download) train with remat's checkpointing."""
+
+import pytest
+import torch
+from helpers import assert_bitwise
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+from remat.integrations.transformers import enable  # noqa: E402
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                  resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _step(model, tokens, seed):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("policy", [None, remat.policies.save_matmuls], ids=["full", "save_matmuls"])
+def test_tiny_model_trains_with_equal_gradients_and_less_memory(build, policy):
+    torch.manual_seed(0)
+    plain = build().train()
+    checkpointed = build().train()
+    checkpointed.load_state_dict(plain.state_dict())
+    enable(checkpointed, policy=policy)
+    tokens = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    expected_loss, expected = _step(plain, tokens, seed=5)
+    got_loss, got = _step(checkpointed, tokens, seed=5)
+    assert torch.equal(expected_loss, got_loss)
+    assert_bitwise(expected, got)
+    peaks = [remat.measure_step(lambda m=m: _step(m, tokens, 5), m).peak_above_params for m in (plain, checkpointed)]
+    assert peaks[1] < peaks[0], peaks
+
+
+def test_every_n_layers_only_checkpoints_some_layers():
+    model = enable(_llama().train(), every_n_layers=2)
+    flags = [layer.gradient_checkpointing for layer in model.model.layers]
+    assert flags == [True, False, True]
