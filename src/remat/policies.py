@@ -126,17 +126,18 @@ save_matmuls = Policy(
 )
 
 
+def _by_name(label: str, decision: CheckpointPolicy, names: tuple[str, ...]) -> Policy:
+    chosen = frozenset(names)
+    return Policy(name_rule=lambda n: decision if n in chosen else None, name=f"{label}{names}")
+
+
 def save_names(*names: str) -> Policy:
     """Keep the tensors tagged with one of ``names``; recompute the rest.
 
     Example:
         >>> policy = save_names("attn_out", "mlp_in")
     """
-    chosen = frozenset(names)
-    return Policy(
-        name_rule=lambda n: CheckpointPolicy.MUST_SAVE if n in chosen else None,
-        name=f"save_names{tuple(names)}",
-    )
+    return _by_name("save_names", CheckpointPolicy.MUST_SAVE, names)
 
 
 def offload_names(*names: str) -> Policy:
@@ -145,11 +146,7 @@ def offload_names(*names: str) -> Policy:
     Example:
         >>> policy = save_matmuls | offload_names("attn_probs")
     """
-    chosen = frozenset(names)
-    return Policy(
-        name_rule=lambda n: CheckpointPolicy.MUST_CPU_OFFLOAD if n in chosen else None,
-        name=f"offload_names{tuple(names)}",
-    )
+    return _by_name("offload_names", CheckpointPolicy.MUST_CPU_OFFLOAD, names)
 
 
 def save_all_but_names(*names: str) -> Policy:
