@@ -171,3 +171,20 @@ def test_policy_and_context_fn_together_is_an_error():
     with pytest.raises(ValueError, match="either policy= or context_fn="):
         remat.checkpoint(torch.sin, torch.randn(2, requires_grad=True), policy=save_matmuls,
                          context_fn=lambda: remat.noop_context_fn())
+
+
+def test_policy_functions_may_return_torchs_enum_or_bools():
+    import torch.utils.checkpoint as torch_ckpt
+
+    x, w1, w2 = (torch.randn(4, 4, requires_grad=True) for _ in range(3))
+    expected = grads(lambda: two_matmuls(x, w1, w2).sum(), [w1, w2])[1]
+    torch_style = [
+        lambda ctx, op, *a, **k: torch_ckpt.CheckpointPolicy.MUST_SAVE if op in MM
+        else torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE,
+        lambda ctx, op, *a, **k: op in MM,
+    ]
+    for policy in torch_style:
+        assert_bitwise(expected, grads(lambda p=policy: remat.checkpoint(two_matmuls, x, w1, w2, policy=p).sum(),
+                                       [w1, w2])[1])
+    with pytest.raises(TypeError, match="must return a CheckpointPolicy"):
+        remat.checkpoint(two_matmuls, x, w1, w2, policy=lambda ctx, op, *a, **k: "save")

@@ -43,12 +43,25 @@ __all__ = [
 class CheckpointPolicy(enum.Enum):
     """What to do with one operator's output. ``MUST_*`` may not be overridden by other systems."""
 
-    MUST_SAVE = 0
-    PREFER_SAVE = 1
-    MUST_RECOMPUTE = 2
-    PREFER_RECOMPUTE = 3
-    MUST_CPU_OFFLOAD = 4
-    PREFER_CPU_OFFLOAD = 5
+    # Same member names as torch's enum (drop-in); a policy may return either enum.
+    MUST_SAVE = enum.auto()
+    PREFER_SAVE = enum.auto()
+    MUST_RECOMPUTE = enum.auto()
+    PREFER_RECOMPUTE = enum.auto()
+    MUST_CPU_OFFLOAD = enum.auto()
+    PREFER_CPU_OFFLOAD = enum.auto()
+
+    @classmethod
+    def coerce(cls, decision: Any) -> CheckpointPolicy:
+        """Accept this enum, torch's ``CheckpointPolicy`` or a bool (True = save)."""
+        if isinstance(decision, cls):
+            return decision
+        if isinstance(decision, bool):
+            return cls.MUST_SAVE if decision else cls.PREFER_RECOMPUTE
+        name = getattr(decision, "name", None)
+        if name in cls.__members__:
+            return cls[name]
+        raise TypeError(f"remat: a checkpoint policy must return a CheckpointPolicy or a bool, got {decision!r}.")
 
     @property
     def keeps(self) -> bool:
@@ -212,9 +225,9 @@ class _Recorder(TorchDispatchMode):
         calls = store.entries[op]
         decision = CheckpointPolicy.PREFER_RECOMPUTE
         if not _is_view_or_inplace(op):
-            decision = store.policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), op, *args, **kwargs)
-            if isinstance(decision, bool):
-                decision = CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+            decision = CheckpointPolicy.coerce(
+                store.policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), op, *args, **kwargs)
+            )
         index = len(calls)
         calls.append(_keep(out, decision.offloads) if decision.keeps or decision.offloads else _RECOMPUTE)
         outputs = out if isinstance(out, (tuple, list)) else (out,)
