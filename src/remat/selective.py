@@ -61,7 +61,8 @@ class CheckpointPolicy(enum.Enum):
         name = getattr(decision, "name", None)
         if name in cls.__members__:
             return cls[name]
-        raise TypeError(f"remat: a checkpoint policy must return a CheckpointPolicy or a bool, got {decision!r}.")
+        # ValueError, not TypeError: torch's operator wrappers turn a TypeError into NotImplemented.
+        raise ValueError(f"remat: a checkpoint policy must return a CheckpointPolicy or a bool, got {decision!r}.")
 
     @property
     def keeps(self) -> bool:
