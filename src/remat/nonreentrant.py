@@ -260,6 +260,10 @@ class _Frame:
                         self.fn(*args, **kwargs)
         except _StopRecompute:
             pass
+        except BaseException as error:
+            # Same exception, same type; the note says it came from a recomputation in backward.
+            error.add_note(f"(raised while remat was recomputing {describe_function(self.fn)} for backward)")
+            raise
         finally:
             _pop_saved_tensors_default_hooks()
         refill.finish()
