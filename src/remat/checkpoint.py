@@ -7,6 +7,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .determinism import metadata_fn_for
 from .nonreentrant import run_nonreentrant
 from .reentrant import CheckpointFunction
@@ -76,6 +78,9 @@ class set_checkpoint_debug_enabled(_GlobalSwitch):  # noqa: N801 - drop-in name
     value: bool | None = None
 
 
+# A graph break under torch.compile: dynamo must not trace the saved-tensor
+# hooks, or the compiled forward would save other tensors than the eager recompute.
+@torch.compiler.disable
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
