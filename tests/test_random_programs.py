@@ -8,14 +8,11 @@ Counter-examples found are kept below as explicit regression tests.
 import os
 from dataclasses import dataclass
 
-import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import remat
-
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 UNARY = ("sin", "tanh", "sigmoid", "exp_small", "dropout", "inplace_mul", "transpose", "reshape")
 BINARY = ("add", "mul", "matmul")
