@@ -22,6 +22,8 @@ from .modules import (
 )
 from .nonreentrant import GraphExecGroup
 from .offload import OffloadStats, offload, save_on_cpu
+from .planner import InfeasibleBudget, Plan, plan
+from .profile import Profile, profile
 from .reentrant import CheckpointFunction, check_backward_validity, detach_variable
 from .selective import (
     SAC_IGNORED_OPS,
@@ -44,12 +46,17 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "offload",
     "offload_wrapper",
+    "plan",
     "policies",
+    "profile",
     "save_on_cpu",
     "tag",
     "CheckpointImpl",
     "CheckpointWrapper",
+    "InfeasibleBudget",
     "OffloadWrapper",
+    "Plan",
+    "Profile",
     "StepMemory",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",

@@ -1,0 +1,191 @@
+"""Profiler and planner: accurate profiles, budgets honoured, exact optimum, fast."""
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.planner import InfeasibleBudget, Plan, plan_from_profile, predict_peak
+from remat.profile import ModuleProfile, Profile, Segment
+
+
+def _gpt():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=6, d_model=64, n_heads=4, seq_len=128, vocab_size=128, dropout=0.1)
+    model = GPT(cfg)
+    tokens, targets = synthetic_batch(cfg, 8)
+    return model, (tokens,), lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+def _conv():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.Sequential(*[ConvBlock(16) for _ in range(5)]),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    x = torch.randn(8, 3, 32, 32)
+    labels = torch.randint(0, 10, (8,))
+    return model, (x,), lambda logits: F.cross_entropy(logits, labels)
+
+
+class Wide(nn.Module):
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def _chain():
+    torch.manual_seed(0)
+    hidden = [64, 512, 128, 1024, 64, 768, 256, 128]
+    model = nn.Sequential(nn.Sequential(*[Wide(64, h) for h in hidden]), nn.Linear(64, 1))
+    return model, (torch.randn(256, 64),), lambda out: out.pow(2).mean()
+
+
+def _measure(model, inputs, loss_fn):
+    result = remat.measure_step(lambda: loss_fn(model(*inputs)).backward(), model)
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+@pytest.mark.parametrize("build", [_gpt, _conv, _chain], ids=["gpt", "conv", "chain"])
+def test_profile_peak_matches_memtracker_within_ten_percent(build):
+    model, inputs, loss_fn = build()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
+    measured = _measure(model, inputs, loss_fn)
+    assert abs(prof.peak_bytes - measured.peak_total) <= 0.10 * measured.peak_total
+    assert abs(prof.peak_above_params - measured.peak_above_params) <= 0.10 * measured.peak_above_params
+    assert all(row.act_bytes > 0 and row.forward_time > 0 for row in prof.rows)
+    assert "activations" in str(prof) and prof.to_dict()["rows"]
+
+
+@pytest.mark.parametrize("build", [_gpt, _chain], ids=["gpt", "chain"])
+@pytest.mark.parametrize("fraction", [0.2, 0.35, 0.5, 0.75, 1.0])
+def test_plans_are_honoured_or_reported_infeasible(build, fraction):
+    model, inputs, loss_fn = build()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
+    try:
+        plan = plan_from_profile(prof, fraction)
+    except InfeasibleBudget as error:
+        assert error.smallest > error.budget
+        assert "smallest peak any plan reaches" in str(error)
+        assert plan_from_profile(prof, error.smallest).predicted_peak <= error.smallest
+        return
+    plan.apply(model)
+    measured = _measure(model, inputs, loss_fn)
+    above_budget = plan.budget - plan.param_bytes
+    assert measured.peak_above_params <= 1.05 * above_budget, (measured.peak_above_params, above_budget)
+    assert measured.peak_total <= 1.05 * plan.budget
+
+
+def test_apply_is_idempotent_remove_undoes_and_json_round_trips(tmp_path):
+    model, inputs, loss_fn = _gpt()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = remat.plan(model, *inputs, loss_fn=loss_fn, budget=0.5)
+    plan.apply(model)
+    plan.apply(model)
+    wrapped = [n for n in plan.decisions if isinstance(model.get_submodule(n), remat.ActivationWrapper)]
+    assert wrapped and len(wrapped) == sum(d != "keep" for d in plan.decisions.values())
+    assert not any(isinstance(m._checkpoint_wrapped_module, remat.ActivationWrapper)
+                   for m in model.modules() if isinstance(m, remat.ActivationWrapper))
+    assert list(model.state_dict()) == list(state)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.decisions == plan.decisions and loaded.predicted_peak == plan.predicted_peak
+    plan.remove(model)
+    assert not any(isinstance(m, remat.ActivationWrapper) for m in model.modules())
+    assert "decision" in str(plan) and "predicted extra time" in str(plan)
+    with pytest.raises(ValueError, match="remove them first"):
+        remat.plan(loaded.apply(model), *inputs, loss_fn=loss_fn, budget=0.5)
+
+
+def _synthetic(n, seed):
+    """A heterogeneous chain's profile with random sizes and costs, shaped like a measured timeline."""
+    rng = random.Random(seed)
+    rows, segments = [], []
+    base, acts = 10_000, []
+    for i in range(n):
+        act = rng.randint(1_000, 50_000)
+        acts.append(act)
+        rows.append(ModuleProfile(
+            name=f"blocks.{i}", cls="Block", act_bytes=act, input_bytes=500, output_bytes=500,
+            forward_time=rng.uniform(1e-3, 2e-2), matmul_time=0.0, matmul_bytes=rng.choice([0, rng.randint(0, act)]),
+            kept_if_checkpointed=rng.randint(100, 800), recompute_extra=rng.randint(0, 5_000)))
+    live = base
+    for i in range(n):
+        segments.append(Segment(f"forward {i}", live + acts[i] + rng.randint(0, 3_000), prefix=i))
+        live += acts[i]
+    segments.append(Segment("loss", live + 2_000, prefix=n))
+    for i in reversed(range(n)):
+        segments.append(Segment(f"backward {i}", live + rng.randint(0, 8_000), prefix=i, block=i))
+        live -= acts[i]
+    return Profile(rows=rows, segments=segments, param_bytes=base, buffer_bytes=0, grad_bytes=0,
+                   peak_bytes=max(s.peak for s in segments), device="cpu", step_time=0.1)
+
+
+def _exhaustive(prof, budget, allow):
+    from remat.planner import _options
+
+    options = _options(prof, allow)
+    best = None
+    for choice in itertools.product(*[list(o) for o in options]):
+        if predict_peak(prof, choice, allow) <= budget:
+            cost = sum(options[i][d].cost for i, d in enumerate(choice))
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_is_the_exhaustive_optimum_and_beats_every_k(seed):
+    n = 14 if seed < 3 else 9  # 2^14 (checkpoint only) or 3^9 (with save_matmuls) assignments
+    allow = ("checkpoint",) if seed < 3 else ("checkpoint", "save_matmuls")
+    prof = _synthetic(n, seed)
+    for fraction in (0.3, 0.5, 0.8):
+        budget = prof.param_bytes + int(fraction * prof.peak_above_params)
+        optimum = _exhaustive(prof, budget, allow)
+        if optimum is None:
+            with pytest.raises(InfeasibleBudget):
+                plan_from_profile(prof, budget, allow)
+            continue
+        plan = plan_from_profile(prof, budget, allow)
+        assert plan.predicted_peak <= budget
+        assert plan.predicted_extra_time == pytest.approx(optimum, rel=1e-12, abs=1e-15)
+        for k in range(1, n + 1):
+            uniform = ["checkpoint" if i % k == 0 else "keep" for i in range(n)]
+            if predict_peak(prof, uniform, allow) <= budget:
+                uniform_cost = sum(r.forward_time for r, d in zip(prof.rows, uniform) if d == "checkpoint")
+                assert plan.predicted_extra_time <= uniform_cost + 1e-12
+
+
+def test_planning_two_hundred_modules_takes_under_a_second():
+    prof = _synthetic(200, seed=7)
+    start = time.perf_counter()
+    plan = plan_from_profile(prof, 0.5)
+    assert time.perf_counter() - start < 1.0
+    assert len(plan.decisions) == 200 and plan.predicted_peak <= plan.budget
+
+
+def test_budget_forms_and_errors():
+    prof = _synthetic(5, seed=1)
+    assert plan_from_profile(prof, "1MiB").budget == 2**20
+    assert plan_from_profile(prof, 1.0).budget == prof.peak_bytes
+    with pytest.raises(ValueError, match="size"):
+        plan_from_profile(prof, "lots")
+    with pytest.raises(ValueError, match="budget must be"):
+        plan_from_profile(prof, -3)
