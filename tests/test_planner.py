@@ -189,3 +189,41 @@ def test_budget_forms_and_errors():
         plan_from_profile(prof, "lots")
     with pytest.raises(ValueError, match="budget must be"):
         plan_from_profile(prof, -3)
+
+
+_HUGE = """
+import resource, sys, time
+import torch, torch.nn.functional as F
+import remat
+from remat.models import GPT, GPTConfig
+start = time.time()
+cfg = GPTConfig(vocab_size=50257, seq_len=4096, d_model=8192, n_heads=64, n_layers=48)
+with torch.device("meta"):
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len))
+prof = remat.profile(model, tokens, loss_fn=lambda o: F.cross_entropy(o.flatten(0, 1), targets.flatten()),
+                     device="meta")
+plan = remat.planner.plan_from_profile(prof, "640GiB")
+print(len(prof.rows), prof.param_bytes, prof.peak_bytes, plan.predicted_peak, prof.rows[0].forward_time,
+      time.time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_meta_profiling_of_a_model_far_too_large_to_allocate():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HUGE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows, params, peak, planned, block_time, seconds, max_rss_kib = out.stdout.split()
+    assert int(rows) == 48 and int(params) > 100 * 2**30  # ~147 GiB of parameters, never allocated
+    assert int(peak) > int(params) and int(planned) <= 640 * 2**30
+    assert float(block_time) > 0  # estimated from FLOPs
+    assert float(seconds) < 60 and int(max_rss_kib) < 3 * 2**20
+
+
+def test_meta_profiling_needs_meta_tensors():
+    model, inputs, loss_fn = _gpt()
+    with pytest.raises(ValueError, match="meta device first"):
+        remat.profile(model, *inputs, loss_fn=loss_fn, device="meta")

@@ -308,6 +308,7 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     modules: Sequence[str] | None = None,
     device: str | None = None,
+    throughput: float = 100e12,
 ) -> Profile:
     """Profile one training step of ``model`` on ``example_inputs`` (no checkpointing).
 
@@ -315,15 +316,22 @@ def profile(
     output's ``.loss`` or the sum of its floating tensors).  Gradients are
     left as they were before the call.
 
+    ``device="meta"`` profiles without allocating: build the model and the
+    inputs on the meta device (``with torch.device("meta"): model = ...``);
+    bytes are exact, times are FLOPs (``torch.utils.flop_counter``) divided by
+    ``throughput`` (FLOP/s of the target accelerator).
+
     Example:
         >>> model = remat.models.GPT()
         >>> tokens, targets = remat.models.synthetic_batch(model.cfg, 8)
         >>> prof = remat.profile(model, tokens, targets, loss_fn=lambda logits: ...)
         >>> print(prof)
     """
-    if device is not None:
-        raise NotImplementedError("remat.profile: device= (meta/fake profiling) is not available yet.")
+    if device not in (None, "meta"):
+        raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     blocks = _resolve(model, modules)
+    if device == "meta":
+        return _profile_on_meta(model, example_inputs, loss_fn or _default_loss, blocks, throughput)
     params = list(model.parameters())
     buffers = list(model.buffers())
     param_storages = {StorageWeakRef(t.untyped_storage()) for t in (*params, *buffers)}
@@ -373,6 +381,51 @@ def profile(
         peak_bytes=max(s.peak for s in segments),
         device=str(params[0].device) if params else "cpu",
         step_time=step_time,
+    )
+
+
+def _profile_on_meta(model, example_inputs, loss_fn, blocks, throughput: float) -> Profile:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = list(model.parameters())
+    buffers = list(model.buffers())
+    if any(t.device.type != "meta" for t in (*params, *buffers, *_tensors(example_inputs))):
+        raise ValueError(
+            "remat.profile(device='meta'): put the model and the inputs on the meta device first, e.g. build "
+            "the model under `with torch.device('meta'):` and create inputs with device='meta'."
+        )
+    param_storages = {StorageWeakRef(t.untyped_storage()) for t in (*params, *buffers)}
+    timeline = _Timeline([*params, *buffers, *_tensors(example_inputs)])
+    probe = _Probe(blocks, param_storages, timeline)
+    probe.install()
+    meter = _MatmulMeter(probe)
+    flops = FlopCounterMode(display=False)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter, flops:
+            loss = loss_fn(model(*example_inputs))
+            timeline.mark("loss")
+            loss.backward()
+        timeline.mark("end")
+    finally:
+        probe.remove()
+    grad_bytes = sum(_storage_bytes(p.grad) for p in params if p.grad is not None)
+    for p in params:
+        p.grad = None
+    counts = flops.get_flop_counts()
+    forward_time = []
+    for name, _ in blocks:
+        # FlopCounterMode names modules "<RootClass>.<path>"; it counts forward + backward (~1 + 2 parts)
+        block_flops = sum(counts.get(f"{type(model).__name__}.{name}", {}).values()) / 3
+        forward_time.append(block_flops / throughput)
+    matmul_share = [1.0] * len(blocks)  # FLOPs are counted for matmul-like ops only
+    rows = _rows(blocks, probe, meter, forward_time, matmul_share, timeline.segments)
+    segments = _segments(timeline.segments, len(blocks))
+    total = sum(counts.get("Global", {}).values())
+    return Profile(
+        rows=rows, segments=segments, param_bytes=sum(_storage_bytes(p) for p in params),
+        buffer_bytes=sum(_storage_bytes(b) for b in buffers), grad_bytes=grad_bytes,
+        peak_bytes=max(s.peak for s in segments), device="meta", step_time=total / throughput,
+        estimated_time=True, notes=[f"times estimated from FLOPs at {throughput:.3g} FLOP/s"],
     )
 
 
