@@ -1,31 +1,123 @@
-"""The remat command runs end to end."""
+"""The remat command, end to end in subprocesses: output, plots, and one-line errors."""
 
+import json
 import subprocess
 import sys
+import textwrap
+
+import pytest
 
 from remat.demo import run_demo
 from remat.models import GPTConfig
 
+SMALL = ["--layers", "2", "--steps", "2", "--seq-len", "32", "--d-model", "32", "--heads", "2", "--batch-size", "4"]
 
-def test_demo_modes_agree_bitwise_and_checkpointing_saves_memory():
-    results = run_demo(GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64), 4, steps=2)
-    plain, full = results
-    assert full.max_loss_diff(plain) == 0.0
-    assert full.max_grad_diff(plain) == 0.0
-    assert full.peak_above_params < plain.peak_above_params
+USER_MODULE = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    def build():
+        return nn.Sequential(*[Block() for _ in range(4)])
+
+    def batch():
+        return torch.randn(512, 16)
+
+    def broken():
+        raise RuntimeError("no weights here")
+''')
 
 
-def test_remat_demo_command_prints_the_table():
-    out = subprocess.run(
-        [sys.executable, "-m", "remat", "demo", "--layers", "2", "--steps", "2", "--seq-len", "32",
-         "--d-model", "32", "--heads", "2"],
-        capture_output=True, text=True, timeout=300,
-    )
+def remat_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+@pytest.fixture()
+def user_module(tmp_path):
+    (tmp_path / "usermodel.py").write_text(USER_MODULE)
+    return tmp_path
+
+
+def test_demo_modes_agree_bitwise_and_save_memory():
+    cfg = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64)
+    results, prof = run_demo(cfg, 4, steps=2, budget=0.6)
+    plain = results[0]
+    assert [r.name for r in results] == ["no checkpointing", "every block", "save_matmuls", "plan at 60%"]
+    for r in results[1:]:
+        assert r.max_loss_diff(plain) == 0.0 and r.max_grad_diff(plain) == 0.0, r.name
+    assert results[1].peak_above_params < plain.peak_above_params
+    assert results[3].peak_above_params <= 1.05 * 0.6 * prof.peak_above_params
+
+
+def test_demo_command_prints_the_table_and_writes_a_png(tmp_path):
+    png = tmp_path / "demo.png"
+    out = remat_cli("demo", *SMALL, "--plot", str(png))
     assert out.returncode == 0, out.stderr
-    for header in ("peak above params", "whole peak", "step time", "max |Δgrad|", "every block"):
+    for header in ("peak above params", "whole peak", "step time", "overhead", "max |Δloss|", "max |Δgrad|",
+                   "every block", "save_matmuls", "plan at"):
         assert header in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[0] > 100
 
 
-def test_help_documents_the_options():
-    out = subprocess.run([sys.executable, "-m", "remat", "demo", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0 and "--layers" in out.stdout and "examples:" in out.stdout
+def test_profile_and_plan_commands_on_a_user_model(user_module, tmp_path):
+    out = remat_cli("profile", "usermodel:build", "--inputs", "usermodel:batch", cwd=user_module)
+    assert out.returncode == 0, out.stderr
+    assert "activations" in out.stdout and "0" in out.stdout
+    out = remat_cli("profile", "usermodel:build", "--input-shape", "512,16", "--json", cwd=user_module)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["rows"]) == 4
+    plan_path = tmp_path / "plan.json"
+    out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:batch", "--budget", "85%", "-o",
+                    str(plan_path), cwd=user_module)
+    assert out.returncode == 0, out.stderr
+    assert "decision" in out.stdout and "Predicted peak" in out.stdout
+    assert set(json.loads(plan_path.read_text())["decisions"]) == {"0", "1", "2", "3"}
+    out = remat_cli("profile", "usermodel:build", "--inputs", "usermodel:batch", "--device", "meta", cwd=user_module)
+    assert out.returncode == 0, out.stderr
+    assert "estimated from FLOPs" in out.stdout
+
+
+def test_bench_command_runs_a_case(tmp_path):
+    out = remat_cli("bench", "--cases", "tiny", "--repeats", "3", "--warmup", "1",
+                    "--variants", "plain", "torch", "remat", "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr
+    assert "remat/torch" in out.stdout and "| tiny |" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "usermodel", "--input-shape", "2,16"], "must look like package.module:function"),
+    (["profile", "nosuchmodule:build", "--input-shape", "2,16"], "cannot import 'nosuchmodule'"),
+    (["profile", "usermodel:nothing", "--input-shape", "2,16"], "has no 'nothing'"),
+    (["profile", "usermodel:broken", "--input-shape", "2,16"], "raised RuntimeError: no weights here"),
+    (["profile", "usermodel:build", "--input-shape", "2,7"], "check --input-shape / --inputs"),
+    (["profile", "usermodel:build"], "give the model's inputs"),
+    (["plan", "usermodel:build", "--input-shape", "32,16", "--budget", "1KiB"], "smallest peak any plan reaches"),
+])
+def test_bad_input_is_one_line_and_nonzero(user_module, args, message):
+    out = remat_cli(*args, cwd=user_module)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_debug_shows_the_traceback(user_module):
+    out = remat_cli("profile", "usermodel:broken", "--input-shape", "2,16", "--debug", cwd=user_module)
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["demo", "profile", "plan", "bench"])
+def test_every_command_has_help_with_examples(command):
+    out = remat_cli(command, "--help")
+    assert out.returncode == 0 and "examples:" in out.stdout and "usage: remat" in out.stdout

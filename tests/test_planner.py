@@ -227,3 +227,22 @@ def test_meta_profiling_needs_meta_tensors():
     model, inputs, loss_fn = _gpt()
     with pytest.raises(ValueError, match="meta device first"):
         remat.profile(model, *inputs, loss_fn=loss_fn, device="meta")
+
+
+def test_predictions_hold_for_every_option_pattern():
+    import copy
+
+    model, inputs, loss_fn = _gpt()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
+    names = [row.name for row in prof.rows]
+    n = len(names)
+    patterns = [["keep"] * n, ["checkpoint"] * n, ["save_matmuls"] * n,
+                ["checkpoint"] + ["save_matmuls"] * (n - 1), ["save_matmuls"] * (n - 1) + ["keep"],
+                [("keep", "checkpoint", "save_matmuls")[i % 3] for i in range(n)]]
+    for decisions in patterns:
+        plan = plan_from_profile(prof, 1.0)
+        plan.decisions = dict(zip(names, decisions))
+        planned = plan.apply(copy.deepcopy(model))
+        measured = _measure(planned, inputs, loss_fn).peak_total
+        predicted = predict_peak(prof, decisions)
+        assert 0.9 * predicted <= measured <= 1.05 * predicted, (decisions, predicted, measured)

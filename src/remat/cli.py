@@ -1,58 +1,86 @@
-"""The ``remat`` command."""
+"""The ``remat`` command: demo, profile, plan, bench."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = ["main"]
 
-_DEMO_EPILOG = """examples:
-  remat demo                      # 4 layers, d_model 128, 5 steps per mode
-  remat demo --layers 8 --steps 5 # a deeper model, more steps
-  remat demo --batch-size 2 --seq-len 64 --steps 2   # a quick look
-"""
+
+class UserError(Exception):
+    """A mistake in the command line or in the user's code it points at: one line, no traceback."""
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _console():
     try:
         from rich.console import Console
-        from rich.progress import Progress
-        from rich.table import Table
-    except ImportError:
-        print("remat demo needs rich: pip install 'remat[cli]'", file=sys.stderr)
-        return 2
+    except ImportError as error:
+        raise UserError("the remat command needs rich: pip install 'remat[cli]'") from error
+    console = Console()
+    return console if console.is_terminal else Console(width=130)  # piped: do not fold tables to 80 columns
 
-    from .demo import MODES, run_demo
+
+def _budget(text: str) -> float | str:
+    """A fraction (0.5 or 50%) or a size (8GiB)."""
+    text = text.strip()
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        from .memory import parse_bytes
+
+        try:
+            parse_bytes(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+    if not 0 < value <= 1:
+        if value > 1 and value.is_integer():
+            return str(int(value))
+        raise argparse.ArgumentTypeError(f"a fraction budget must be in (0, 1], got {text}")
+    return value
+
+
+# ---- demo -------------------------------------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .demo import plot, run_demo
     from .models import GPTConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = GPTConfig(
-        vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads,
-        n_layers=args.layers, dropout=args.dropout,
-    )
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)  # piped output: do not fold the table to 80 columns
+    try:
+        cfg = GPTConfig(vocab_size=args.vocab_size, seq_len=args.seq_len, d_model=args.d_model,
+                        n_heads=args.heads, n_layers=args.layers, dropout=args.dropout)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    if cfg.d_model % cfg.n_heads:
+        raise UserError(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.n_heads})")
+    console = _console()
     console.print(
         f"[bold]remat demo[/]: GPT with {cfg.n_layers} blocks, d_model {cfg.d_model}, {cfg.n_heads} heads, "
-        f"sequence {cfg.seq_len}, batch {args.batch_size}, dropout {cfg.dropout}; "
-        f"{args.steps} training steps per mode on {torch.get_num_threads()} CPU thread(s)."
+        f"sequence {cfg.seq_len}, batch {args.batch_size}, dropout {cfg.dropout}; {args.steps} training steps "
+        f"per mode on {torch.get_num_threads()} CPU thread(s); plan budget {args.budget}."
     )
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("training", total=args.steps * len(MODES))
-        results = run_demo(cfg, args.batch_size, args.steps, args.seed, on_step=lambda: progress.advance(task))
+        task = progress.add_task("profiling and training", total=args.steps * 4)
+        results, prof = run_demo(cfg, args.batch_size, args.steps, args.seed, args.budget,
+                                 on_step=lambda: progress.advance(task))
     base = results[0]
-    table = Table(title="one training step (forward + backward)")
-    for column in ("mode", "peak above params", "whole peak", "step time", "overhead",
-                   "max |Δloss|", "max |Δgrad|"):
+    table = Table(title="one training step (forward + backward) of the demo GPT")
+    for column in ("mode", "peak above params", "whole peak", "step time", "overhead", "max |Δloss|", "max |Δgrad|"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results:
         table.add_row(
@@ -65,25 +93,174 @@ def _demo(args: argparse.Namespace) -> int:
             f"{r.max_grad_diff(base):.3g}",
         )
     console.print(table)
+    plan_row = results[-1]
+    console.print(f"{plan_row.name}: " + " ".join(f"{r.name}={d}" for r, d in zip(prof.rows, plan_row.decisions)))
     console.print(
-        "Peaks are MemTracker's whole-step figures (parameters, gradients, activations and tensors "
-        "recomputed in backward); step time is the median after the first step."
+        "Peaks are MemTracker's whole-step figures (parameters, gradients, activations and tensors recomputed "
+        "in backward); step time is the median after the first step."
     )
+    if args.plot:
+        plot(results, prof, args.plot)
+        console.print(f"plot written to {args.plot}")
     return 0
+
+
+# ---- user models ------------------------------------------------------------------------------------
+def _load(spec: str, what: str) -> Callable[..., Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"{what} must look like package.module:function, got {spec!r}")
+    sys.path.insert(0, ".")  # let people name a module in the working directory
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        reason = f"{type(error).__name__}: {error}"
+        raise UserError(f"cannot import {module_name!r} for {what} {spec!r}: {reason}") from error
+    finally:
+        sys.path.pop(0)
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise UserError(f"{module_name!r} has no {attr!r} (from {what} {spec!r})")
+        target = getattr(target, part)
+    if not callable(target):
+        raise UserError(f"{spec!r} is not callable; {what} must name a function or class")
+    return target
+
+
+def _call(fn: Callable[..., Any], what: str, spec: str) -> Any:
+    try:
+        return fn()
+    except Exception as error:
+        raise UserError(f"{what} {spec!r} raised {type(error).__name__}: {error}") from error
+
+
+def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple]:
+    factory = _load(args.model, "MODULE:FACTORY")
+    device = getattr(args, "device", None)
+    if device == "meta":
+        with torch.device("meta"):
+            model = _call(factory, "the factory", args.model)
+    else:
+        model = _call(factory, "the factory", args.model)
+    if not isinstance(model, torch.nn.Module):
+        raise UserError(f"the factory {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")
+    if args.inputs:
+        inputs = _call(_load(args.inputs, "--inputs"), "the inputs function", args.inputs)
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        if device == "meta":
+            inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+    elif args.input_shape:
+        inputs = tuple(torch.randn(*shape, device=device or "cpu") for shape in args.input_shape)
+    else:
+        raise UserError("give the model's inputs: --input-shape 8,128 (random floats) or --inputs MODULE:FN")
+    return model, inputs
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.replace("x", ",").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is comma-separated integers like 8,128; got {text!r}") from None
+    if not shape or min(shape) <= 0:
+        raise argparse.ArgumentTypeError(f"a shape is positive integers like 8,128; got {text!r}")
+    return shape
+
+
+def _profile_of(args: argparse.Namespace):
+    from .profile import profile
+
+    model, inputs = _model_and_inputs(args)
+    try:
+        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None))
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    except RuntimeError as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
+                        "check --input-shape / --inputs against the model's forward") from error
+
+
+def _profile_cmd(args: argparse.Namespace) -> int:
+    prof = _profile_of(args)
+    if args.json:
+        print(json.dumps(prof.to_dict(), indent=2))
+    else:
+        print(prof)
+    return 0
+
+
+def _plan_cmd(args: argparse.Namespace) -> int:
+    from .planner import InfeasibleBudget, plan_from_profile
+
+    prof = _profile_of(args)
+    try:
+        plan = plan_from_profile(prof, args.budget, allow=tuple(args.allow))
+    except InfeasibleBudget as error:
+        raise UserError(str(error)) from error
+    print(plan)
+    if args.output:
+        plan.save(args.output)
+        print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
+    return 0
+
+
+def _bench_cmd(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    run(args)
+    return 0
+
+
+# ---- parser -----------------------------------------------------------------------------------------
+_EXAMPLES = {
+    "demo": """examples:
+  remat demo                         # 4 blocks, d_model 128, 5 steps per mode, plot in remat_demo.png
+  remat demo --budget 35%            # a tighter plan
+  remat demo --layers 2 --steps 2 --seq-len 64 --plot /tmp/demo.png   # a quick look
+""",
+    "profile": """examples:
+  remat profile mypkg.models:build_model --input-shape 8,128
+  remat profile mypkg.models:build_model --inputs mypkg.data:example_batch --json
+  remat profile mypkg.models:build_huge --inputs mypkg.data:example_batch --device meta
+""",
+    "plan": """examples:
+  remat plan mypkg.models:build_model --input-shape 8,128 --budget 50%
+  remat plan mypkg.models:build_model --inputs mypkg.data:example_batch --budget 8GiB -o plan.json
+""",
+    "bench": """examples:
+  remat bench                              # every case: tiny, gpt, conv, wide
+  remat bench --cases tiny --repeats 21
+""",
+}
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODULE:FACTORY", help="a function (or class) that returns the model")
+    parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
+                        help="one random float input of this shape (repeat for several inputs)")
+    parser.add_argument("--inputs", metavar="MODULE:FN", help="a function returning the input (or a tuple of them)")
+    parser.add_argument("--modules", nargs="+", metavar="NAME",
+                        help="candidate modules by qualified name (default: the repeated blocks)")
+    parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="remat", description="Activation checkpointing for PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo",
-        help="train the built-in GPT with and without checkpointing and compare",
-        description="Train the built-in GPT-style model on synthetic tokens (no downloads) under each "
-        "checkpointing mode, from identical weights and batches, and print peak memory, step time and "
-        "the largest loss/gradient difference against no checkpointing.",
-        epilog=_DEMO_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+
+    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=description, epilog=_EXAMPLES[name],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+        return sub
+
+    demo = command("demo", "train the built-in GPT under each checkpointing mode and compare",
+                   "Train the built-in GPT-style model on synthetic tokens (no downloads) with no checkpointing, "
+                   "every block checkpointed, every block with save_matmuls, and the planner's plan at a budget, "
+                   "from identical weights and batches; print peak memory, step time and the largest "
+                   "loss/gradient difference, and plot memory by block and over one step.")
     demo.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
     demo.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
     demo.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -92,9 +269,40 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     demo.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
     demo.add_argument("--steps", type=int, default=5, help="training steps per mode (default 5)")
+    demo.add_argument("--budget", type=_budget, default=0.5,
+                      help="the plan's budget: a fraction of the no-checkpointing peak above parameters "
+                           "(0.5 or 50%%, the default) or a size (200MiB)")
+    demo.add_argument("--plot", default="remat_demo.png", help="PNG to write (default remat_demo.png; '' for none)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout")
     demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
     demo.set_defaults(run=_demo)
+
+    prof = command("profile", "profile a model: activation memory and time per block",
+                   "Run one training step of MODULE:FACTORY's model (no checkpointing) and print, per candidate "
+                   "block, the activations it keeps for backward, its input/output bytes and forward time.")
+    _add_model_arguments(prof)
+    prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    prof.set_defaults(run=_profile_cmd)
+
+    plan = command("plan", "the cheapest checkpointing plan that fits a memory budget",
+                   "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / offload "
+                   "per block) with the least recomputation whose predicted peak fits --budget.")
+    _add_model_arguments(plan)
+    plan.add_argument("--budget", type=_budget, required=True,
+                      help="whole-step peak as a size (8GiB, 512MB) or a fraction of the unplanned peak above "
+                           "parameters (0.5 or 50%%)")
+    plan.add_argument("--allow", nargs="+", default=["checkpoint", "save_matmuls", "offload"],
+                      choices=["checkpoint", "save_matmuls", "offload"], help="options the plan may use")
+    plan.add_argument("-o", "--output", help="write the plan as JSON")
+    plan.set_defaults(run=_plan_cmd)
+
+    bench = command("bench", "benchmark remat against torch.utils.checkpoint and no checkpointing",
+                    "Time a training step of each case under no checkpointing, torch.utils.checkpoint and remat "
+                    "(both variants), interleaved, and print ratios and peak memory.")
+    from .bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(run=_bench_cmd)
     return parser
 
 
@@ -102,11 +310,24 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``remat`` command.
 
     Example:
-        >>> main(["demo", "--layers", "2", "--steps", "2", "--seq-len", "32"])
+        >>> main(["demo", "--layers", "2", "--steps", "2", "--seq-len", "32", "--plot", ""])
         0
     """
     args = _parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UserError as error:
+        if args.debug:
+            raise
+        print(f"remat {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if args.debug:
+            raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        print(f"remat {args.command}: {type(error).__name__}: {first_line} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

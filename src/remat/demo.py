@@ -2,7 +2,9 @@
 
 Every mode starts from the same weights and sees the same batches and the
 same dropout masks, so their losses and gradients must agree exactly; what
-differs is peak memory and step time.
+differs is peak memory and step time.  Modes: no checkpointing, every block
+checkpointed, every block with ``save_matmuls``, and the planner's plan at a
+budget.
 """
 
 from __future__ import annotations
@@ -14,26 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from .memory import measure_step
+from .memory import format_bytes, measure_step
 from .models import GPT, Block, GPTConfig, synthetic_batch
 from .modules import apply_activation_checkpointing
+from .planner import InfeasibleBudget, plan_from_profile
+from .policies import save_matmuls
+from .profile import Profile, live_bytes_timeline
+from .profile import profile as run_profile
 
-__all__ = ["ModeResult", "run_demo", "MODES"]
-
-
-def _no_checkpointing(model: GPT) -> None:
-    return None
-
-
-def _every_block(model: GPT) -> None:
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-
-
-MODES: dict[str, Callable[[GPT], None]] = {
-    "no checkpointing": _no_checkpointing,
-    "every block": _every_block,
-}
+__all__ = ["ModeResult", "plot", "run_demo"]
 
 
 @dataclass
@@ -41,11 +34,13 @@ class ModeResult:
     """What one mode measured."""
 
     name: str
+    decisions: list[str]
     peak_total: int
     peak_above_params: int
     step_times: list[float]
     losses: list[torch.Tensor] = field(repr=False)
     grads: list[list[torch.Tensor]] = field(repr=False)
+    timeline: list[int] = field(default_factory=list, repr=False)
 
     @property
     def step_time(self) -> float:
@@ -64,7 +59,42 @@ class ModeResult:
         )
 
 
-def _train(name: str, model: GPT, batches: list, seed: int, on_step: Callable[[], None]) -> ModeResult:
+def _loss_fn(targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _modes(prof: Profile, budget: float | int | str) -> dict[str, Callable[[GPT], list[str]]]:
+    n = len(prof.rows)
+    is_block = lambda m: isinstance(m, Block)  # noqa: E731
+
+    def plain(model: GPT) -> list[str]:
+        return ["keep"] * n
+
+    def every_block(model: GPT) -> list[str]:
+        apply_activation_checkpointing(model, check_fn=is_block)
+        return ["checkpoint"] * n
+
+    def selective(model: GPT) -> list[str]:
+        apply_activation_checkpointing(model, check_fn=is_block, policy=save_matmuls)
+        return ["save_matmuls"] * n
+
+    try:
+        plan = plan_from_profile(prof, budget, allow=("checkpoint", "save_matmuls"))
+        label = f"plan at {budget:.0%}" if isinstance(budget, float) and budget <= 1 else f"plan at {budget}"
+    except InfeasibleBudget as error:
+        # The demo shows the planner at work rather than failing: plan at the smallest peak it can reach.
+        plan = plan_from_profile(prof, error.smallest, allow=("checkpoint", "save_matmuls"))
+        label = f"plan at {format_bytes(error.smallest - plan.param_bytes)} (smallest feasible)"
+
+    def planned(model: GPT) -> list[str]:
+        plan.apply(model)
+        return list(plan.decisions.values())
+
+    return {"no checkpointing": plain, "every block": every_block, "save_matmuls": selective, label: planned}
+
+
+def _train(name: str, model: GPT, decisions: list[str], batches: list, seed: int,
+           on_step: Callable[[], None]) -> ModeResult:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, grads, times = [], [], []
     for step, (tokens, targets) in enumerate(batches):
@@ -85,8 +115,9 @@ def _train(name: str, model: GPT, batches: list, seed: int, on_step: Callable[[]
         model.loss(tokens, targets).backward()
 
     memory = measure_step(one_step, model)
+    timeline = live_bytes_timeline(one_step, *model.parameters(), tokens, targets)
     model.zero_grad(set_to_none=True)
-    return ModeResult(name, memory.peak_total, memory.peak_above_params, times, losses, grads)
+    return ModeResult(name, decisions, memory.peak_total, memory.peak_above_params, times, losses, grads, timeline)
 
 
 def run_demo(
@@ -94,24 +125,65 @@ def run_demo(
     batch_size: int,
     steps: int,
     seed: int = 0,
-    modes: dict[str, Callable[[GPT], None]] | None = None,
+    budget: float | int | str = 0.5,
     on_step: Callable[[], None] = lambda: None,
-) -> list[ModeResult]:
-    """Train ``steps`` steps per mode from identical starting points; return the measurements.
+) -> tuple[list[ModeResult], Profile]:
+    """Train ``steps`` steps per mode from identical starting points; return the measurements and profile.
 
     Example:
-        >>> results = run_demo(GPTConfig(n_layers=2, seq_len=32), batch_size=2, steps=2)
+        >>> results, prof = run_demo(GPTConfig(n_layers=2, seq_len=32), batch_size=2, steps=2)
         >>> results[1].max_grad_diff(results[0])
         0.0
     """
-    modes = modes or MODES
     torch.manual_seed(seed)
     reference = GPT(cfg)
     generator = torch.Generator().manual_seed(seed)
     batches = [synthetic_batch(cfg, batch_size, generator) for _ in range(steps)]
+    tokens, targets = batches[0]
+    prof = run_profile(copy.deepcopy(reference), tokens, loss_fn=_loss_fn(targets))
     results = []
-    for name, prepare in modes.items():
+    for name, prepare in _modes(prof, budget).items():
         model = copy.deepcopy(reference)
-        prepare(model)
-        results.append(_train(name, model, batches, seed, on_step))
-    return results
+        decisions = prepare(model)
+        results.append(_train(name, model, decisions, batches, seed, on_step))
+    return results, prof
+
+
+def kept_by_block(prof: Profile, decisions: list[str]) -> list[int]:
+    """Bytes each block keeps through the step under the given decisions (from the profile)."""
+    kept = []
+    for row, decision in zip(prof.rows, decisions):
+        if decision == "keep":
+            kept.append(row.act_bytes)
+        elif decision == "save_matmuls":
+            kept.append(row.kept_if_checkpointed + row.matmul_bytes)
+        else:
+            kept.append(row.kept_if_checkpointed)
+    return kept
+
+
+def plot(results: list[ModeResult], prof: Profile, path: str) -> None:
+    """Write a PNG: memory kept by each block per mode, and the live-memory timeline of one step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.8))
+    n = len(prof.rows)
+    width = 0.8 / len(results)
+    for k, result in enumerate(results):
+        kept = [b / 2**20 for b in kept_by_block(prof, result.decisions)]
+        bars.bar([i + k * width for i in range(n)], kept, width, label=result.name)
+        lines.plot([b / 2**20 for b in result.timeline], label=result.name, linewidth=1.2)
+    bars.set_xticks([i + 0.4 - width / 2 for i in range(n)], [r.name for r in prof.rows], rotation=30)
+    bars.set_ylabel("MiB kept through the step")
+    bars.set_title("activation memory kept by each block")
+    bars.legend(fontsize=8)
+    lines.set_xlabel("operator (forward, then backward)")
+    lines.set_ylabel("live MiB (parameters, gradients, activations)")
+    lines.set_title("memory timeline of one training step")
+    lines.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

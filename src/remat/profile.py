@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .memory import format_bytes
 from .policies import MATMUL_OPS
 
-__all__ = ["ModuleProfile", "Profile", "Segment", "candidate_modules", "profile"]
+__all__ = ["ModuleProfile", "Profile", "Segment", "candidate_modules", "live_bytes_timeline", "profile"]
 
 
 @dataclass
@@ -52,6 +52,7 @@ class ModuleProfile:
     matmul_bytes: int
     kept_if_checkpointed: int
     recompute_extra: int
+    matmul_unsaved_bytes: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -142,8 +143,9 @@ def _storage_bytes(t: torch.Tensor) -> int:
 class _Timeline(TorchDispatchMode):
     """Counts live storage bytes as ops allocate and tensors die; keeps the peak of each segment."""
 
-    def __init__(self, existing: Sequence[torch.Tensor]) -> None:
+    def __init__(self, existing: Sequence[torch.Tensor], record: bool = False) -> None:
         super().__init__()
+        self.series: list[int] | None = [] if record else None  # live bytes after every op
         self.live = 0
         self.segment_peak = 0
         self.segments: list[tuple[str, int, int, int]] = []  # (label, peak, ops in it, live at its start)
@@ -180,6 +182,8 @@ class _Timeline(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self._track(t)
+        if self.series is not None:
+            self.series.append(self.live)
         return out
 
 
@@ -267,6 +271,7 @@ class _MatmulMeter(TorchDispatchMode):
         n = len(probe.blocks)
         self.bytes = [0] * n
         self.time = [0.0] * n
+        self.outputs: list[dict[StorageWeakRef, int]] = [{} for _ in range(n)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         i = self.probe.current
@@ -275,7 +280,9 @@ class _MatmulMeter(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         self.time[i] += time.perf_counter() - start
-        self.bytes[i] += sum(_storage_bytes(t) for t in _tensors(out))
+        for t in _tensors(out):
+            self.bytes[i] += _storage_bytes(t)
+            self.outputs[i][StorageWeakRef(t.untyped_storage())] = _storage_bytes(t)
         return out
 
 
@@ -429,6 +436,18 @@ def _profile_on_meta(model, example_inputs, loss_fn, blocks, throughput: float) 
     )
 
 
+def live_bytes_timeline(step: Callable[[], Any], *existing: torch.Tensor) -> list[int]:
+    """Live storage bytes after every operator of ``step()``; pass the tensors that exist before it.
+
+    Example:
+        >>> series = live_bytes_timeline(lambda: model(x).sum().backward(), *model.parameters(), x)
+    """
+    timeline = _Timeline(existing, record=True)
+    with timeline:
+        step()
+    return timeline.series
+
+
 def _unpack_identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -450,6 +469,8 @@ def _rows(blocks, probe: _Probe, meter: _MatmulMeter, forward_time: list[float],
                 forward_time=forward_time[i], matmul_time=min(matmul_share[i], 1.0) * forward_time[i],
                 matmul_bytes=meter.bytes[i], kept_if_checkpointed=kept,
                 recompute_extra=max(transient.get(f"forward {i}", 0) - act, 0),
+                # kept by save_matmuls although autograd does not save them: alive beside the recomputation
+                matmul_unsaved_bytes=sum(b for key, b in meter.outputs[i].items() if key not in probe.saved[i]),
             )
         )
     return rows
