@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat.bench import WideBlock
 from remat.memory import format_bytes
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planner import InfeasibleBudget, plan_from_profile
@@ -30,13 +31,6 @@ from remat.profile import candidate_modules
 FRACTIONS = (0.2, 0.35, 0.5, 0.75, 1.0)
 
 
-class Wide(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(x)))
 
 
 def _gpt():
@@ -49,7 +43,7 @@ def _gpt():
 def _chain():
     torch.manual_seed(0)
     hidden = [256, 1024, 512, 2048, 256, 1536, 768, 512]
-    model = nn.Sequential(nn.Sequential(*[Wide(256, h) for h in hidden]), nn.Linear(256, 1))
+    model = nn.Sequential(nn.Sequential(*[WideBlock(256, h) for h in hidden]), nn.Linear(256, 1))
     return model, (torch.randn(512, 256),), lambda out: out.pow(2).mean()
 
 

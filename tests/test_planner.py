@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+from remat.bench import ConvBlock, WideBlock
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planner import InfeasibleBudget, Plan, plan_from_profile, predict_peak
 from remat.profile import ModuleProfile, Profile, Segment
@@ -23,14 +24,6 @@ def _gpt():
     return model, (tokens,), lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-class ConvBlock(nn.Module):
-    def __init__(self, channels):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
-        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
-
-    def forward(self, x):
-        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
 
 
 def _conv():
@@ -42,19 +35,12 @@ def _conv():
     return model, (x,), lambda logits: F.cross_entropy(logits, labels)
 
 
-class Wide(nn.Module):
-    def __init__(self, width, hidden):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(x)))
 
 
 def _chain():
     torch.manual_seed(0)
     hidden = [64, 512, 128, 1024, 64, 768, 256, 128]
-    model = nn.Sequential(nn.Sequential(*[Wide(64, h) for h in hidden]), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Sequential(*[WideBlock(64, h) for h in hidden]), nn.Linear(64, 1))
     return model, (torch.randn(256, 64),), lambda out: out.pow(2).mean()
 
 

@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .memory import format_bytes
 from .policies import MATMUL_OPS
+from .state import tensor_leaves
 
 __all__ = ["ModuleProfile", "Profile", "Segment", "candidate_modules", "live_bytes_timeline", "profile"]
 
@@ -222,7 +223,7 @@ class _Probe:
         i = self.index[id(module)]
         self._mark(f"before forward {i}")
         self.current = i
-        for t in _tensors((args, kwargs)):
+        for t in tensor_leaves((args, kwargs)):
             self.inputs[i][StorageWeakRef(t.untyped_storage())] = _storage_bytes(t)
             if t.requires_grad:
                 t.register_hook(lambda g, i=i: self._mark(f"backward {i}"))
@@ -233,7 +234,7 @@ class _Probe:
         self.forward_time[i] += time.perf_counter() - self.started
         self.current = None
         self._mark(f"forward {i}")
-        outs = list(_tensors(output))
+        outs = list(tensor_leaves(output))
         self.output_bytes[i] = sum(_storage_bytes(t) for t in outs)
         for t in outs:
             if t.requires_grad:
@@ -247,19 +248,6 @@ class _Probe:
                 self.owner[key] = i
                 self.saved[i][key] = _storage_bytes(t)
         return t
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-    elif hasattr(obj, "__dataclass_fields__") or hasattr(obj, "to_tuple"):
-        yield from _tensors(obj.to_tuple() if hasattr(obj, "to_tuple") else tuple(vars(obj).values()))
 
 
 class _MatmulMeter(TorchDispatchMode):
@@ -280,7 +268,7 @@ class _MatmulMeter(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         self.time[i] += time.perf_counter() - start
-        for t in _tensors(out):
+        for t in tensor_leaves(out):
             self.bytes[i] += _storage_bytes(t)
             self.outputs[i][StorageWeakRef(t.untyped_storage())] = _storage_bytes(t)
         return out
@@ -290,7 +278,7 @@ def _default_loss(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    return sum(t.float().sum() for t in _tensors(output) if t.is_floating_point())
+    return sum(t.float().sum() for t in tensor_leaves(output) if t.is_floating_point())
 
 
 def _resolve(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
@@ -361,7 +349,7 @@ def profile(
         for p in params:
             p.grad = None
         # Pass 2: memory timeline, saved tensors and matmul outputs.
-        timeline = _Timeline([*params, *buffers, *_tensors(example_inputs)])
+        timeline = _Timeline([*params, *buffers, *tensor_leaves(example_inputs)])
         probe = _Probe(blocks, param_storages, timeline)
         probe.install()
         meter = _MatmulMeter(probe)
@@ -396,13 +384,13 @@ def _profile_on_meta(model, example_inputs, loss_fn, blocks, throughput: float) 
 
     params = list(model.parameters())
     buffers = list(model.buffers())
-    if any(t.device.type != "meta" for t in (*params, *buffers, *_tensors(example_inputs))):
+    if any(t.device.type != "meta" for t in (*params, *buffers, *tensor_leaves(example_inputs))):
         raise ValueError(
             "remat.profile(device='meta'): put the model and the inputs on the meta device first, e.g. build "
             "the model under `with torch.device('meta'):` and create inputs with device='meta'."
         )
     param_storages = {StorageWeakRef(t.untyped_storage()) for t in (*params, *buffers)}
-    timeline = _Timeline([*params, *buffers, *_tensors(example_inputs)])
+    timeline = _Timeline([*params, *buffers, *tensor_leaves(example_inputs)])
     probe = _Probe(blocks, param_storages, timeline)
     probe.install()
     meter = _MatmulMeter(probe)

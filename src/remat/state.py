@@ -74,15 +74,16 @@ def _device_module(device_type: str) -> Any:
     return getattr(torch, device_type, None)
 
 
-def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of lists, tuples and dicts (HF model outputs are dicts)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensor_leaves(item)
+            yield from tensor_leaves(item)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _tensor_leaves(item)
+            yield from tensor_leaves(item)
 
 
 def infer_device_type(tensors: Iterable[torch.Tensor]) -> str:
@@ -112,7 +113,7 @@ def get_device_states(*args: Any) -> tuple[list[int], list[torch.Tensor]]:
         >>> ids, states
         ([], [])
     """
-    tensors = list(_tensor_leaves(args))
+    tensors = list(tensor_leaves(args))
     device_type = infer_device_type(tensors)
     ids: list[int] = []
     for t in tensors:
