@@ -149,9 +149,9 @@ class _Frame:
         "__weakref__",
     )
 
-    def __init__(self, fn, state, recompute_context, metadata_fn, early_stop, traces) -> None:
+    def __init__(self, fn, recompute_context, metadata_fn, early_stop, traces) -> None:
         self.fn = fn
-        self.state = state
+        self.state: ReplayState | None = None  # captured once the inputs are known
         self.recompute_context = recompute_context
         self.metadata_fn = metadata_fn
         self.early_stop = early_stop
@@ -345,7 +345,7 @@ def run_nonreentrant(
         return fn(*args, **kwargs)
     forward_context, recompute_context = context_fn()
     traces = (OpTrace(), OpTrace()) if debug else None
-    frame = _Frame(fn, None, recompute_context, metadata_fn, early_stop, traces)
+    frame = _Frame(fn, recompute_context, metadata_fn, early_stop, traces)
     tensors = frame.save_inputs(args, kwargs)
     frame.state = state = ReplayState.capture(tensors, preserve_rng_state)
     result = _NO_RESULT = object()

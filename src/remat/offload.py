@@ -163,7 +163,8 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         self.device_type = device_type or DefaultDeviceType.get_device_type()
         accelerated = _accelerator_ready(self.device_type)
         self.pool = _PinnedPool(pin_memory and accelerated)
-        self.stream = torch.get_device_module(self.device_type).Stream() if accelerated else None
+        self._device_module = torch.get_device_module(self.device_type) if accelerated else None
+        self.stream = self._device_module.Stream() if accelerated else None
         self.prefetch_depth = prefetch_depth if prefetch and accelerated else 0
         self.stats = OffloadStats()
         self._skip = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
@@ -191,8 +192,8 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         event = None
         if self.stream is not None:
             # The side stream must see the producer's writes; the tensor must outlive the copy.
-            self.stream.wait_stream(torch.get_device_module(self.device_type).current_stream())
-            with torch.get_device_module(self.device_type).stream(self.stream):
+            self.stream.wait_stream(self._device_module.current_stream())
+            with self._device_module.stream(self.stream):
                 host.copy_(tensor, non_blocking=True)
                 tensor.record_stream(self.stream)
                 event = self.stream.record_event()
@@ -211,8 +212,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
             # A copy even on the CPU: the pooled buffer is reused once this handle dies.
             handle.ready = handle.host.to(handle.device, copy=True)
             return
-        module = torch.get_device_module(self.device_type)
-        with module.stream(self.stream):
+        with self._device_module.stream(self.stream):
             if handle.event is not None:
                 self.stream.wait_event(handle.event)
             handle.ready = handle.host.to(handle.device, non_blocking=True)
@@ -228,8 +228,9 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
             if upcoming is not None:
                 self._copy_back(upcoming)
         if self.stream is not None:
-            torch.get_device_module(self.device_type).current_stream().wait_event(packed.event)
-            packed.ready.record_stream(torch.get_device_module(self.device_type).current_stream())
+            current = self._device_module.current_stream()
+            current.wait_event(packed.event)
+            packed.ready.record_stream(current)
         return packed.ready
 
     def _release(self, handle: _Offloaded) -> None:

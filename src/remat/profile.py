@@ -207,7 +207,7 @@ class _Probe:
         self.handles: list[Any] = []
 
     def install(self) -> None:
-        for module, _ in ((m, n) for n, m in self.blocks):
+        for _, module in self.blocks:
             self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
 

@@ -19,6 +19,7 @@ with :func:`remat.tag`.
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import weakref
 from collections import defaultdict
@@ -152,12 +153,14 @@ def _keep(out: Any, offload: bool) -> Any:
     return tree_map(one, out)
 
 
+@functools.cache
 def _is_view_or_inplace(op: Any) -> bool:
     # Views own no memory and in-place ops return their (already kept or
     # recomputed) input: keeping either would only alias another entry.
     return any(r.alias_info is not None for r in op._schema.returns)
 
 
+@functools.cache
 def _is_random(op: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags
 
