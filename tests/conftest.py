@@ -15,6 +15,9 @@ def no_hook_left_behind():
 
 
 @pytest.fixture(autouse=True)
-def deterministic_threads():
+def one_intra_op_thread():
+    """Every test runs its main thread with one intra-op thread, and leaves the count as it found it."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads(before)

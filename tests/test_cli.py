@@ -112,6 +112,16 @@ def test_bad_input_is_one_line_and_nonzero(user_module, args, message):
     assert "Traceback" not in out.stderr
 
 
+def test_an_impossible_fraction_is_explained_in_the_users_terms(user_module):
+    out = remat_cli("plan", "usermodel:build", "--input-shape", "32,16", "--budget", "5%", cwd=user_module)
+    assert out.returncode == 2
+    line = out.stderr.strip()
+    assert line.startswith("remat plan: error: no plan fits the budget: 5% came to ")
+    assert line.count("remat") == 1  # one prefix, not the CLI's and the library's
+    assert line.count("above parameters") == 2 and line.count("whole step") == 2
+    assert "of the unplanned peak" in line
+
+
 def test_debug_shows_the_traceback(user_module):
     out = remat_cli("profile", "usermodel:broken", "--input-shape", "2,16", "--debug", cwd=user_module)
     assert out.returncode != 0 and "Traceback" in out.stderr

@@ -32,13 +32,18 @@ def test_apply_activation_checkpointing_gives_equal_gradients(use_reentrant):
     assert_bitwise(expected[1], got[1])
 
 
-def test_state_dict_and_parameter_names_are_unchanged_by_wrapping():
+def test_what_wrapping_changes_in_names_is_what_the_readme_says():
     plain, wrapped = _pair()
     remat.apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block))
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     # As in PyTorch, only the wrapper's own names hide the extra level.
     block_names = [n for n, _ in wrapped.blocks[0].named_parameters()]
     assert block_names == [n for n, _ in plain.blocks[0].named_parameters()]
+    # From the root, the wrapper level shows, and only that.
+    root_names = [n for n, _ in wrapped.named_parameters()]
+    assert "blocks.0._checkpoint_wrapped_module.attn.qkv.weight" in root_names
+    assert [n.replace("_checkpoint_wrapped_module.", "") for n in root_names] == [
+        n for n, _ in plain.named_parameters()]
     # round trip both ways
     fresh = GPT(CFG)
     fresh.load_state_dict(wrapped.state_dict())

@@ -45,14 +45,32 @@ _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practic
 
 
 class InfeasibleBudget(ValueError):
-    """No plan fits the budget; ``smallest`` is the smallest whole-step peak any plan reaches."""
+    """No plan fits the budget.
 
-    def __init__(self, budget: int, smallest: int) -> None:
-        self.budget, self.smallest = budget, smallest
+    ``budget`` and ``smallest`` are whole-step peaks in bytes (parameters and buffers included, as
+    ``Plan.predicted_peak``); ``smallest`` is the lowest peak any plan reaches. The message states both above
+    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.
+    """
+
+    def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
+                 requested: object = None) -> None:
+        self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
+        asked = ""
+        if isinstance(requested, float):
+            asked = f"{requested:.0%} came to "
+        elif isinstance(requested, str):
+            asked = f"{requested} is "
+
+        def both(total: int) -> str:
+            above = total - param_bytes
+            if above < 0:
+                return f"{format_bytes(total)} whole step, less than the parameters alone ({format_bytes(param_bytes)})"
+            share = f", {above / unplanned_above:.0%} of the unplanned peak" if unplanned_above else ""
+            return f"{format_bytes(above)} above parameters{share} ({format_bytes(total)} whole step)"
+
         super().__init__(
-            f"remat.plan: no plan fits {format_bytes(budget)}; the smallest peak any plan reaches is "
-            f"{format_bytes(smallest)} ({smallest} bytes). Raise the budget to at least that, or reduce "
-            "the batch / sequence length."
+            f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
+            f"{both(smallest)}. Raise the budget to at least that, or reduce the batch / sequence length."
         )
 
 
@@ -220,7 +238,8 @@ def plan_from_profile(
     options = _options(prof, allow)
     decisions = _solve(prof, budget_bytes, options)
     if decisions is None:
-        raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options))
+        raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options), prof.param_bytes + prof.buffer_bytes,
+                              prof.peak_above_params, budget)
     extra = sum(options[i][d].cost for i, d in enumerate(decisions))
     return Plan(
         decisions={row.name: d for row, d in zip(prof.rows, decisions)},
