@@ -161,3 +161,4 @@ def test_a_region_is_freed_during_backward_once_its_nodes_ran():
     h.register_hook(lambda g: seen.append(ref() is None))  # runs between the two regions' backward
     y.sum().backward()
     assert seen == [True]
+

@@ -1,0 +1,214 @@
+"""The memory/time frontier: remat's plans against every way of checkpointing people use today.
+
+Run by hand (several minutes: inductor compiles each budget once):
+
+    python benchmarks/frontier.py                       # both models, table + frontier_results.json
+    python benchmarks/frontier.py --models demo --repeats 9 --no-compile
+
+For each model (the demo GPT at `remat demo` defaults, and the `gpt` case of `remat bench`: 6 blocks,
+d 256, seq 256, batch 8) it measures, in eager mode and interleaved round-robin (one CPU thread), no
+checkpointing, every-k checkpointing (k = 1 is full checkpointing), every block under `save_matmuls`, and
+`remat.plan` at 30/50/70% of the unplanned peak above parameters — all from one profile. Then, each in its
+own subprocess (the compiler's budget is read when a graph is compiled), torch.compile (inductor) with
+`torch._functorch.config.activation_memory_budget` at 1.0/0.7/0.5/0.3, interleaved there with eager
+no-checkpointing so its time ratio is measured side by side too.
+
+Peak: the whole training step's peak above parameters and buffers (gradients, activations, tensors
+recomputed in backward). Eager rows use MemTracker; compiled rows use the profiler's allocation events
+(`remat.memory.profiled_peak`), which give the same bytes on eager code. Time: median step time over
+no-checkpointing's median, with the interquartile spread of the ratio's numerator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.bench import _cases
+from remat.memory import format_bytes, profiled_peak
+from remat.models import GPT, Block, GPTConfig, synthetic_batch
+from remat.planner import InfeasibleBudget, plan_from_profile
+
+PLAN_FRACTIONS = (0.3, 0.5, 0.7)
+COMPILE_BUDGETS = (1.0, 0.7, 0.5, 0.3)
+
+
+@dataclass
+class Workload:
+    """A model, its inputs and its loss: one training step is ``loss_fn(model(*inputs)).backward()``."""
+
+    model: nn.Module
+    inputs: tuple
+    loss_fn: Callable[[object], torch.Tensor]
+
+    def step(self, model: nn.Module) -> None:
+        model.zero_grad(set_to_none=True)
+        self.loss_fn(model(*self.inputs)).backward()
+
+
+class _Chain(nn.Module):
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def workload(name: str) -> Workload:
+    """The benchmark's models, built identically in every process (seeded)."""
+    torch.manual_seed(0)
+    if name == "demo":
+        cfg = GPTConfig()
+        tokens, targets = synthetic_batch(cfg, 8, generator=torch.Generator().manual_seed(0))
+        return Workload(GPT(cfg), (tokens,), lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
+    if name == "gpt":
+        case = _cases()["gpt"]()
+        x = case.make_input().detach()
+        return Workload(_Chain(case.blocks), (x,), lambda out: out.float().pow(2).mean())
+    raise ValueError(f"unknown model {name!r}; choose demo or gpt")
+
+
+def _wrapped(work: Workload, every_n: int = 1, policy=None) -> nn.Module:
+    model = copy.deepcopy(work.model)
+    remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block), every_n=every_n,
+                                         policy=policy)
+    return model
+
+
+def eager_variants(work: Workload) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """Every eager configuration, by label, and the decisions of each plan."""
+    variants = {"no checkpointing": work.model}
+    for k in (1, 2, 3):
+        variants["full checkpointing" if k == 1 else f"every {k}"] = _wrapped(work, every_n=k)
+    variants["save_matmuls"] = _wrapped(work, policy=remat.policies.save_matmuls)
+    prof = remat.profile(work.model, *work.inputs, loss_fn=work.loss_fn)
+    notes = {}
+    for fraction in PLAN_FRACTIONS:
+        label = f"remat.plan {fraction:.0%}"
+        try:
+            plan = plan_from_profile(prof, fraction)
+        except InfeasibleBudget as error:
+            notes[label] = f"refused: {error}"
+            continue
+        variants[label] = plan.apply(copy.deepcopy(work.model))
+        notes[label] = " ".join(plan.decisions[name][0].upper() for name in plan.decisions)
+    return variants, notes
+
+
+def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: int, warmup: int) -> dict:
+    """Step times of each variant, round-robin with a rotating order so noise hits all alike."""
+    labels = list(variants)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            torch.manual_seed(round_index)
+            start = time.perf_counter()
+            work.step(variants[label])
+            elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                samples[label].append(elapsed)
+    return samples
+
+
+def _summary(samples: list[float], reference: list[float]) -> dict:
+    base = statistics.median(reference)
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return {"median_ms": statistics.median(samples) * 1e3, "ratio": statistics.median(samples) / base,
+            "ratio_q1": q1 / base, "ratio_q3": q3 / base}
+
+
+def measure_eager(name: str, repeats: int, warmup: int) -> list[dict]:
+    work = workload(name)
+    variants, notes = eager_variants(work)
+    samples = interleaved_times(work, variants, repeats, warmup)
+    rows = []
+    for label, model in variants.items():
+        peak = remat.measure_step(lambda m=model: work.step(m), model).peak_above_params
+        rows.append({"model": name, "mode": label, "peak_above_params": peak, "note": notes.get(label, ""),
+                     **_summary(samples[label], samples["no checkpointing"])})
+    for label, note in notes.items():
+        if label not in variants:
+            rows.append({"model": name, "mode": label, "peak_above_params": None, "note": note})
+    return rows
+
+
+def measure_compiled(name: str, budget: float, repeats: int, warmup: int) -> dict:
+    """torch.compile (inductor) at one activation_memory_budget, interleaved with eager plain."""
+    import torch._functorch.config as functorch_config
+
+    work = workload(name)
+    compiled_model = copy.deepcopy(work.model)
+    compiled = torch.compile(compiled_model)
+    with functorch_config.patch(activation_memory_budget=budget):
+        work.step(compiled)  # compiles forward and backward under this budget
+    samples = interleaved_times(work, {"no checkpointing": work.model, "compiled": compiled}, repeats, warmup)
+    compiled_model.zero_grad(set_to_none=True)
+    peak = profiled_peak(lambda: work.step(compiled))
+    return {"model": name, "mode": f"torch.compile budget {budget:g}", "peak_above_params": peak, "note": "",
+            **_summary(samples["compiled"], samples["no checkpointing"])}
+
+
+def _compiled_in_subprocess(name: str, budget: float, repeats: int, warmup: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--compiled-one", name, str(budget), "--repeats", str(repeats),
+         "--warmup", str(warmup)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| model | mode | peak above params | % of plain | step time vs plain (IQR) | plan / note |",
+             "|---|---|---|---|---|---|"]
+    plain = {r["model"]: r["peak_above_params"] for r in rows if r["mode"] == "no checkpointing"}
+    for r in rows:
+        if r["peak_above_params"] is None:
+            lines.append(f"| {r['model']} | {r['mode']} | — | — | — | {r['note']} |")
+            continue
+        share = r["peak_above_params"] / plain[r["model"]]
+        timing = f"×{r['ratio']:.2f} ({r['ratio_q1']:.2f}–{r['ratio_q3']:.2f})"
+        lines.append(f"| {r['model']} | {r['mode']} | {format_bytes(r['peak_above_params'])} | {share:.0%} | "
+                     f"{timing} | {r['note']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["demo", "gpt"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--json", default="frontier_results.json")
+    parser.add_argument("--compiled-one", nargs=2, metavar=("MODEL", "BUDGET"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.compiled_one:
+        name, budget = args.compiled_one
+        print(json.dumps(measure_compiled(name, float(budget), args.repeats, args.warmup)))
+        return
+    rows = []
+    for name in args.models:
+        rows += measure_eager(name, args.repeats, args.warmup)
+        if not args.no_compile:
+            rows += [_compiled_in_subprocess(name, b, args.repeats, args.warmup) for b in COMPILE_BUDGETS]
+    print(format_table(rows))
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
