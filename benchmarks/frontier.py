@@ -73,7 +73,7 @@ def workload(name: str) -> Workload:
     """The benchmark's models, built identically in every process (seeded)."""
     torch.manual_seed(0)
     if name == "demo":
-        cfg = GPTConfig()
+        cfg = GPTConfig(seq_len=256)  # `remat demo`'s defaults
         tokens, targets = synthetic_batch(cfg, 8, generator=torch.Generator().manual_seed(0))
         return Workload(GPT(cfg), (tokens,), lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
     if name == "gpt":
