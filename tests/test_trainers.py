@@ -46,12 +46,16 @@ def _hf_run(tmp_path, name, prepare, activation_checkpointing, steps=3):
     model = prepare(transformers.GPT2LMHeadModel(cfg))
     tokens = torch.randint(0, 96, (8, 32), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in tokens]
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old names are deprecated)
+    switch = "activation" if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__ \
+        else "gradient"
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / name), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
-        activation_checkpointing=activation_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if activation_checkpointing else None,
-        disable_tqdm=True, dataloader_num_workers=0,
+        disable_tqdm=True, dataloader_num_workers=0, **{
+            f"{switch}_checkpointing": activation_checkpointing,
+            f"{switch}_checkpointing_kwargs": {"use_reentrant": False} if activation_checkpointing else None,
+        },
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
