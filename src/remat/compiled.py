@@ -19,8 +19,10 @@ policy over as the compiler's selective-checkpoint tags:
   ``custom`` annotation); the name rule is applied to every operator that
   node lowers to.
 
-Everything here runs at compile time only; the compiled program contains
-no remat code.
+Everything here runs while compiling; the compiled program contains no
+remat code.  (When dynamo cannot trace a region's body, without fullgraph,
+it runs that region through PyTorch's eager checkpoint, which then calls
+:func:`_compiler_contexts` at run time: same decisions, no tags.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .selective import CheckpointPolicy, SelectiveCheckpointContext, _is_view_or
 __all__ = ["checkpoint_in_graph", "tag_in_graph"]
 
 # Key under node.meta["custom"] (the fx annotation dictionary) that carries a remat.tag name.
-TAG_KEY = "remat_tag"
+_TAG_KEY = "remat_tag"
 
 _SAVE_INSTEAD_OF_OFFLOAD = {
     CheckpointPolicy.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SAVE,
@@ -54,7 +56,7 @@ def checkpoint_in_graph(function: Callable[..., Any], args: tuple, kwargs: dict,
 
     ``context_fn`` is the caller's selective-checkpoint context function, or
     None for plain checkpointing.  Called by :func:`remat.checkpoint` when
-    ``torch.compiler.is_compiling()``; it must be traced by dynamo, never run.
+    ``torch.compiler.is_compiling()``: dynamo traces it into the graph.
 
     Example:
         >>> @torch.compile(fullgraph=True)
@@ -98,7 +100,7 @@ def _decide_for_compiler(policy: Callable[..., Any], ctx: Any, op: Any, *args: A
         return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     remat_ctx = SelectiveCheckpointContext(is_recompute=ctx.is_recompute, op_output=getattr(ctx, "op_output", None))
     decision = CheckpointPolicy.coerce(policy(remat_ctx, op, *args, **kwargs))
-    name = fx_traceback.get_current_meta().get("custom", {}).get(TAG_KEY)
+    name = fx_traceback.get_current_meta().get("custom", {}).get(_TAG_KEY)
     decide_name = getattr(policy, "decide_name", None)
     if name is not None and decide_name is not None:
         decision = decide_name(name) or decision
@@ -113,7 +115,7 @@ def _annotate_producer(ctx: Any) -> None:
         return
     name = ctx.get_local("name").as_python_constant()
     node = tensor.as_proxy().node
-    node.meta.setdefault("custom", {})[TAG_KEY] = name
+    node.meta.setdefault("custom", {})[_TAG_KEY] = name
 
 
 def tag_in_graph(tensor: torch.Tensor, name: str) -> torch.Tensor:
