@@ -251,23 +251,22 @@ def test_dynamo_never_traces_the_eager_engine(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("remat's eager engine ran under torch.compile")
 
-    monkeypatch.setattr(CHECKPOINT_MODULE, "_run_eager", refuse)
+    monkeypatch.setattr(CHECKPOINT_MODULE, "run_nonreentrant", refuse)
+    monkeypatch.setattr(CHECKPOINT_MODULE.CheckpointFunction, "apply", refuse)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
-    model = torch.compile(remat_wrapped(mlp(), policy=save_matmuls), backend=backend, fullgraph=True)
-    run(model, X)
-    (graph,) = graphs
-    hops = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.tag_activation_checkpoint]
-    assert len(hops) == 2  # one compiler checkpoint region per block
-    # the engine itself refuses to be traced: fullgraph reports it instead of baking its hooks into a graph
-    engine_call = torch.compile(lambda t: CHECKPOINT_MODULE._run_eager_reentrant(torch.sin, True, (t,)),
-                                backend="aot_eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        engine_call(X.clone().requires_grad_())
+    for use_reentrant in (False, True):
+        torch._dynamo.reset()
+        model = torch.compile(remat_wrapped(mlp(), use_reentrant=use_reentrant), backend=backend, fullgraph=True)
+        run(model, X)
+    assert len(graphs) == 2
+    for graph in graphs:
+        hops = [n for n in graph.graph.nodes if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+        assert len(hops) == 2  # one compiler checkpoint region per block, in one graph
 
 
 def test_graph_break_inside_a_region_still_gives_right_gradients():

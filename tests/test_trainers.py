@@ -26,13 +26,13 @@ CHECKPOINT_MODULE = importlib.import_module("remat.checkpoint")
 def remat_regions(monkeypatch):
     """Counts regions run by remat's eager engine (proof that remat, not torch, checkpointed)."""
     count = [0]
-    engine = CHECKPOINT_MODULE._run_eager
+    engine = CHECKPOINT_MODULE.run_nonreentrant
 
     def counting(*args, **kwargs):
         count[0] += 1
         return engine(*args, **kwargs)
 
-    monkeypatch.setattr(CHECKPOINT_MODULE, "_run_eager", counting)
+    monkeypatch.setattr(CHECKPOINT_MODULE, "run_nonreentrant", counting)
     return count
 
 

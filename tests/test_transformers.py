@@ -64,8 +64,8 @@ def test_transformers_own_switch_called_later_keeps_remat(switch, monkeypatch):
     """What users write after enable(): the model's own switch, with kwargs; it must not put torch's back."""
     engine = importlib.import_module("remat.checkpoint")
     regions = []
-    run = engine._run_eager
-    monkeypatch.setattr(engine, "_run_eager", lambda *a, **k: regions.append(1) or run(*a, **k))
+    run = engine.run_nonreentrant
+    monkeypatch.setattr(engine, "run_nonreentrant", lambda *a, **k: regions.append(1) or run(*a, **k))
     torch.manual_seed(0)
     plain = _gpt2().train()
     model = _gpt2().train()

@@ -122,10 +122,12 @@ def checkpoint(
             raise ValueError("remat: context_fn, policy and debug need use_reentrant=False.")
     metadata_fn = metadata_fn_for(determinism_check)
     if torch.compiler.is_compiling():
+        # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and
+        # dispatch modes would be baked into a graph that saves other tensors than the recomputation refills.
         return checkpoint_in_graph(function, args, kwargs, None if context_fn is noop_context_fn else context_fn)
     if use_reentrant:
-        return _run_eager_reentrant(function, preserve_rng_state, args)
-    return _run_eager(
+        return CheckpointFunction.apply(function, preserve_rng_state, *args)
+    return run_nonreentrant(
         function,
         args,
         kwargs,
@@ -135,16 +137,3 @@ def checkpoint(
         debug=set_checkpoint_debug_enabled.resolve(debug),
         early_stop=set_checkpoint_early_stop.resolve(early_stop),
     )
-
-
-# remat's eager engine must never be traced by dynamo: its saved-tensor hooks
-# and dispatch modes would be baked into a graph that then saves other tensors
-# than the recomputation refills.  checkpoint() sends traced calls to the
-# compiler's rematerialization; this guard makes any other route a graph break
-# (an error with fullgraph=True), never a wrong graph.
-_run_eager = torch.compiler.disable(run_nonreentrant)
-
-
-@torch.compiler.disable
-def _run_eager_reentrant(function: Callable[..., Any], preserve_rng_state: bool, args: tuple) -> Any:
-    return CheckpointFunction.apply(function, preserve_rng_state, *args)
