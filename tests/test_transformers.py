@@ -1,11 +1,17 @@
 """Hugging Face models built from configs (no download) train with remat's checkpointing."""
 
+import importlib
+import sys
+import types
+
 import pytest
 import torch
 from helpers import assert_bitwise
 
 import remat
 
+# transformers imports torchvision when present; its CUDA-built operators cannot load here (see tests/zoo.py).
+sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 transformers = pytest.importorskip("transformers")
 from remat.integrations.transformers import enable  # noqa: E402
 
@@ -51,3 +57,29 @@ def test_every_n_layers_only_checkpoints_some_layers():
     model = enable(_llama().train(), every_n_layers=2)
     flags = [layer.gradient_checkpointing for layer in model.model.layers]
     assert flags == [True, False, True]
+
+
+@pytest.mark.parametrize("switch", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_transformers_own_switch_called_later_keeps_remat(switch, monkeypatch):
+    """What users write after enable(): the model's own switch, with kwargs; it must not put torch's back."""
+    engine = importlib.import_module("remat.checkpoint")
+    regions = []
+    run = engine.run_nonreentrant
+    monkeypatch.setattr(engine, "run_nonreentrant", lambda *a, **k: regions.append(1) or run(*a, **k))
+    torch.manual_seed(0)
+    plain = _gpt2().train()
+    model = _gpt2().train()
+    model.load_state_dict(plain.state_dict())
+    enable(model, policy=remat.policies.save_matmuls)
+    if switch == "gradient_checkpointing_enable":
+        with pytest.warns(FutureWarning):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                              every_n_layers=2, offload=True)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected_loss, expected = _step(plain, tokens, seed=5)
+    got_loss, got = _step(model, tokens, seed=5)
+    assert len(regions) == (3 if switch == "gradient_checkpointing_enable" else 2)  # every_n_layers=2: layers 0, 2
+    assert torch.equal(expected_loss, got_loss)
+    assert_bitwise(expected, got)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .compiled import checkpoint_in_graph
 from .determinism import metadata_fn_for
 from .nonreentrant import run_nonreentrant
 from .reentrant import CheckpointFunction
@@ -78,9 +79,6 @@ class set_checkpoint_debug_enabled(_GlobalSwitch):  # noqa: N801 - drop-in name
     value: bool | None = None
 
 
-# A graph break under torch.compile: dynamo must not trace the saved-tensor
-# hooks, or the compiled forward would save other tensors than the eager recompute.
-@torch.compiler.disable
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
@@ -100,6 +98,8 @@ def checkpoint(
     ``policy`` (a :mod:`remat.policies` policy, a policy function or a list of
     ops) selects what to keep, offload or recompute, op by op; it is sugar for
     ``context_fn=partial(create_selective_checkpoint_contexts, policy)``.
+    Under ``torch.compile`` the region and its policy go into the compiled
+    graph (see :mod:`remat.compiled`).
 
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -120,6 +120,12 @@ def checkpoint(
             )
         if context_fn is not noop_context_fn or debug:
             raise ValueError("remat: context_fn, policy and debug need use_reentrant=False.")
+    metadata_fn = metadata_fn_for(determinism_check)
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and
+        # dispatch modes would be baked into a graph that saves other tensors than the recomputation refills.
+        return checkpoint_in_graph(function, args, kwargs, None if context_fn is noop_context_fn else context_fn)
+    if use_reentrant:
         return CheckpointFunction.apply(function, preserve_rng_state, *args)
     return run_nonreentrant(
         function,
@@ -127,7 +133,7 @@ def checkpoint(
         kwargs,
         preserve_rng_state=preserve_rng_state,
         context_fn=context_fn,
-        metadata_fn=metadata_fn_for(determinism_check),
+        metadata_fn=metadata_fn,
         debug=set_checkpoint_debug_enabled.resolve(debug),
         early_stop=set_checkpoint_early_stop.resolve(early_stop),
     )

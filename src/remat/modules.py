@@ -186,6 +186,59 @@ def _public_name(qualified: str) -> str:
     return qualified.replace(_PREFIX, "")
 
 
+Target = tuple[str, nn.Module, dict]
+
+
+def _targets_by_check_fn(model: nn.Module, check_fn: Callable[[nn.Module], bool]) -> list[Target]:
+    """The outermost modules ``check_fn`` accepts, in definition order (wrapped subtrees skipped)."""
+    matches: list[Target] = []
+    skip_below: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in skip_below):
+            continue
+        if isinstance(module, ActivationWrapper):
+            skip_below.append(name + ".")
+            continue
+        if module is not model and check_fn(module):
+            matches.append((name, module, {}))
+            skip_below.append(name + ".")
+    return matches
+
+
+def _targets_by_wrap_policy(model: nn.Module, auto_wrap_policy: Any) -> list[Target]:
+    """The modules an FSDP-style wrap policy picks, children before parents, as FSDP would wrap them."""
+    if not callable(auto_wrap_policy):
+        pick = getattr(auto_wrap_policy, "_run_policy", None)
+        if pick is None:
+            raise TypeError(
+                f"auto_wrap_policy must be a callable (module, recurse, nonwrapped_numel) -> bool or an FSDP "
+                f"wrap policy such as ModuleWrapPolicy or CustomPolicy, got {type(auto_wrap_policy).__name__}."
+            )
+        # FSDP's non-callable policies (CustomPolicy) list their modules, each with wrapper kwargs.
+        done = {m for w in model.modules() if isinstance(w, ActivationWrapper) for m in w.modules()}
+        chosen = pick(model, ignored_modules=done, root_kwargs={})
+        return [(name, m, chosen[m]) for name, m in model.named_modules() if m in chosen and m is not model]
+    found: list[Target] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        # Returns the parameter count wrapped in this subtree, so a parent is asked
+        # about what its wrapped children left over (FSDP's nonwrapped_numel).
+        size = sum(p.numel() for p in module.parameters())
+        if isinstance(module, ActivationWrapper):
+            return size
+        if not auto_wrap_policy(module=module, recurse=True, nonwrapped_numel=size):
+            return 0
+        wrapped = sum(visit(f"{name}.{child_name}" if name else child_name, child)
+                      for child_name, child in module.named_children())
+        if module is not model and auto_wrap_policy(module=module, recurse=False, nonwrapped_numel=size - wrapped):
+            found.append((name, module, {}))
+            return size
+        return wrapped
+
+    visit("", model)
+    return found
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     checkpoint_wrapper_fn: Callable[[nn.Module], nn.Module] = checkpoint_wrapper,
@@ -204,39 +257,39 @@ def apply_activation_checkpointing(
     (see :mod:`remat.policies`) makes the wrapped blocks selective.  Returns
     the qualified names of the modules it wrapped.
 
+    ``auto_wrap_policy`` (an FSDP wrap policy: ``ModuleWrapPolicy``,
+    ``CustomPolicy``, ``partial(lambda_auto_wrap_policy, ...)``,
+    ``partial(size_based_auto_wrap_policy, ...)`` or any callable
+    ``(module, recurse, nonwrapped_numel) -> bool``) replaces ``check_fn`` and
+    picks modules as FSDP does: bottom-up, a parent being asked about the
+    parameters its wrapped children left over, so a parent may be wrapped
+    around wrapped children when the policy says so.
+
     Example:
         >>> model = remat.models.GPT()
         >>> apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
         ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+        >>> apply_activation_checkpointing(remat.models.GPT(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
     """
-    if auto_wrap_policy is not None:
-        raise NotImplementedError(
-            "remat.apply_activation_checkpointing: auto_wrap_policy is not supported; pass check_fn."
-        )
     if every_n < 1:
         raise ValueError(f"every_n must be >= 1, got {every_n}.")
     if checkpoint_wrapper_fn is checkpoint_wrapper and (use_reentrant or policy is not None):
         impl = CheckpointImpl.REENTRANT if use_reentrant else CheckpointImpl.NO_REENTRANT
         extra = {} if policy is None else {"policy": policy}
         checkpoint_wrapper_fn = functools.partial(checkpoint_wrapper, checkpoint_impl=impl, **extra)
-    matches: list[tuple[str, nn.Module]] = []
-    skip_below: list[str] = []
-    for name, module in model.named_modules():
-        if any(name.startswith(prefix) for prefix in skip_below):
-            continue
-        if isinstance(module, ActivationWrapper):
-            skip_below.append(name + ".")
-            continue
-        if module is not model and check_fn(module):
-            matches.append((name, module))
-            skip_below.append(name + ".")
+    if auto_wrap_policy is None:
+        targets = _targets_by_check_fn(model, check_fn)
+    else:
+        targets = _targets_by_wrap_policy(model, auto_wrap_policy)
+    # Parents are looked up before anything is wrapped: a policy may wrap a module and, later, its parent.
+    placed = [(name, model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], module, kwargs)
+              for name, module, kwargs in targets]
     wrapped = []
-    for position, (name, module) in enumerate(matches):
+    for position, (name, parent, child, module, wrapper_kwargs) in enumerate(placed):
         if position % every_n:
             continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         module._remat_path = _public_name(name)
-        setattr(parent, child, checkpoint_wrapper_fn(module))
+        setattr(parent, child, checkpoint_wrapper_fn(module, **wrapper_kwargs))
         wrapped.append(_public_name(name))
     return wrapped

@@ -288,6 +288,10 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
         ...     return h.relu()
         >>> remat.checkpoint(block, x, policy=remat.policies.save_names("proj"))
     """
+    if torch.compiler.is_compiling():
+        from .compiled import tag_in_graph  # imported here: compiled.py builds on this module
+
+        return tag_in_graph(tensor, name)
     store = _active_store()
     if store is None:
         return tensor

@@ -5,7 +5,14 @@ when checkpointing is on; :func:`enable` switches it on the model's own way
 (so its bookkeeping, such as input gradients and ``use_cache``, happens) and
 then hands every layer remat's function instead of torch's.
 
-The same by hand, with transformers' own switch::
+It also stays on: ``Trainer`` (``activation_checkpointing=True``) and users call
+``model.activation_checkpointing_enable(...)`` / ``gradient_checkpointing_enable(...)``
+again, which would put torch's function back.  :func:`enable` installs that
+method on the model instance (transformers calls an instance override), so
+those calls keep remat, with their ``*_checkpointing_kwargs`` and
+``every_n_layers`` applied.
+
+The same by hand, with transformers' own switch (undone by the next call to it)::
 
     model.gradient_checkpointing_enable()          # or activation_checkpointing_enable()
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=remat.checkpoint)
@@ -15,11 +22,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
+from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..checkpoint import checkpoint
+from ..offload import save_on_cpu
 
 __all__ = ["enable"]
+
+_SETTINGS = "_remat_checkpointing"
 
 
 def enable(model: Any, policy: Any = None, every_n_layers: int = 1, **checkpoint_kwargs: Any) -> Any:
@@ -27,7 +41,9 @@ def enable(model: Any, policy: Any = None, every_n_layers: int = 1, **checkpoint
 
     ``policy`` (a :mod:`remat.policies` policy) makes each layer selective;
     ``every_n_layers`` checkpoints only every n-th layer.  Call ``model.train()``:
-    transformers only checkpoints in training mode.
+    transformers only checkpoints in training mode.  Later calls of the
+    model's ``activation_checkpointing_enable`` (as ``Trainer`` makes with
+    ``activation_checkpointing=True``) keep using remat.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,16 +53,50 @@ def enable(model: Any, policy: Any = None, every_n_layers: int = 1, **checkpoint
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing in transformers.")
     if every_n_layers < 1:
         raise ValueError(f"every_n_layers must be >= 1, got {every_n_layers}.")
-    switch = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    switch()
-    func = functools.partial(checkpoint, policy=policy, **checkpoint_kwargs)
-    if "every_n_layers" in inspect.signature(model._set_gradient_checkpointing).parameters:
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
-    else:
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
-        layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m is not model]
-        for index, layer in enumerate(layers):
-            layer.gradient_checkpointing = index % every_n_layers == 0
+    setattr(model, _SETTINGS, {"policy": policy, "kwargs": checkpoint_kwargs})
+    if hasattr(type(model), "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable = types.MethodType(_activation_checkpointing_enable, model)
+        model.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    else:  # transformers before activation_checkpointing_enable existed
+        model.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, model)
+        model.gradient_checkpointing_enable(every_n_layers=every_n_layers)
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False  # a KV cache cannot be rebuilt by recomputation
     return model
+
+
+def _activation_checkpointing_enable(
+    model: Any, activation_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1, offload: bool = False
+) -> None:
+    # transformers' own switch does the bookkeeping (input grads, flags); then the layers get remat's function.
+    type(model).activation_checkpointing_enable(model, activation_checkpointing_kwargs, every_n_layers, offload)
+    _hand_layers_remat(model, activation_checkpointing_kwargs, every_n_layers, offload)
+
+
+def _gradient_checkpointing_enable(
+    model: Any, gradient_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1, offload: bool = False
+) -> None:
+    type(model).gradient_checkpointing_enable(model, gradient_checkpointing_kwargs)
+    _hand_layers_remat(model, gradient_checkpointing_kwargs, every_n_layers, offload)
+
+
+def _hand_layers_remat(model: Any, call_kwargs: dict | None, every_n_layers: int, offload: bool) -> None:
+    settings = getattr(model, _SETTINGS)
+    func = functools.partial(checkpoint, policy=settings["policy"], **{**settings["kwargs"], **(call_kwargs or {})})
+    if offload:
+        func = functools.partial(_checkpoint_with_inputs_on_host, func)
+    if "every_n_layers" in inspect.signature(model._set_gradient_checkpointing).parameters:
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+        return
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing") and m is not model]
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index % every_n_layers == 0
+
+
+def _checkpoint_with_inputs_on_host(func: Callable[..., Any], function: Callable[..., Any], *args: Any,
+                                    **kwargs: Any) -> Any:
+    # transformers' offload=True: what a checkpointed layer keeps (its inputs) lives in host memory.
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    with save_on_cpu(pin_memory=True, device_type=accelerator.type if accelerator else "cpu"):
+        return func(function, *args, **kwargs)
