@@ -5,8 +5,6 @@ final parameters mean remat's gradients were those of the reference at every ste
 """
 
 import importlib
-import sys
-import types
 
 import pytest
 import torch
@@ -14,10 +12,6 @@ from helpers import assert_bitwise
 
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-
-# torchvision's CUDA-built wheel cannot register its operators beside the CPU torch build, and transformers and
-# lightning import it when present; its model code needs none of them (see tests/zoo.py).
-sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
 
 CHECKPOINT_MODULE = importlib.import_module("remat.checkpoint")
 
