@@ -1,0 +1,253 @@
+"""The exact front of op-level policies of one block: the least extra time for each amount of kept memory.
+
+A point of the front is one way to run the block (a :class:`FrontPoint`):
+
+=============  =====================================  ===========================================================
+mode           kept through the step                  extra time per step
+=============  =====================================  ===========================================================
+``keep``       what autograd saves (inputs included)  0
+``checkpoint`` the block's inputs                     wall time of the first ``stop`` ops + region + saved tensors
+``selective``  inputs + the kept op outputs ``K``     checkpoint's − Σ kernel time of ``K`` + policy dispatch
+=============  =====================================  ===========================================================
+
+``stop`` is where remat's early stop ends a recomputation: at the block's
+last saved tensor, whatever is kept.  Region, per-saved-tensor and per-op
+policy costs are measured (:func:`remat.oppolicy.measure_overheads`): a
+selective policy pays ``policy_forward`` for every op of the forward and
+``policy_replay`` for every op the recomputation dispatches.
+
+Why there are no "recompute j ⇒ j's inputs are kept or recomputed"
+constraints: remat's replay reruns *every* op that is not kept up to the stop
+point (kept outputs are served instead), whether or not a dropped saved
+tensor needs it.  The constraints hold by construction and the cost is a sum
+over the kept ops, so the front is that of a 0/1 knapsack, enumerated exactly
+by a dynamic program over the ops that keeps every (bytes, time) state no
+other state beats — all breakpoints in one pass, both ends included.  (A
+replay that skipped ops no dropped tensor needs would make the set
+formulation matter; see :func:`needed_ops`.)
+
+During the block's backward the recomputation rebuilds every saved tensor
+that is not kept and holds it until backward uses it; ``recompute_peak`` is
+the most it holds at once (rebuilt saved tensors plus temporaries alive at
+that op, from the storage lives of a plain forward), and ``backward_extra``
+is how far that takes the block above plain autograd at the same moment.
+Offloading is not a front option on a CPU host (there is nowhere cheaper to
+put the bytes).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .memory import format_bytes
+from .opgraph import BlockGraph, OpProfile
+from .oppolicy import BlockPolicy, OpDecision
+
+__all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "policy_for", "thin_front"]
+
+
+@dataclass(frozen=True)
+class FrontPoint:
+    """One way to run a block: its mode, kept op outputs (node indices) and predicted cost.
+
+    ``kept_bytes`` is held from the block's forward to its backward and
+    includes ``input_bytes`` (the block's inputs it holds); ``extra_time`` is
+    seconds added per step; ``recompute_peak`` / ``backward_extra`` are bytes
+    (see the module docstring); ``recomputed_ops`` counts the ops whose
+    kernels run again.
+    """
+
+    mode: str
+    kept: tuple[int, ...]
+    kept_bytes: int
+    input_bytes: int
+    extra_time: float
+    recompute_peak: int
+    backward_extra: int
+    recomputed_ops: int
+
+    def describe(self, graph: BlockGraph) -> str:
+        """One line: mode, kept bytes, what is kept, extra time."""
+        names = ", ".join(f"{graph.nodes[i].op.split('.')[1]}#{graph.nodes[i].call}" for i in self.kept)
+        what = f" keeps {names}" if names else ""
+        return (f"{self.mode}: {format_bytes(self.kept_bytes)} kept{what}; {self.recomputed_ops} ops rerun, "
+                f"+{self.extra_time * 1e3:.2f} ms, backward +{format_bytes(self.backward_extra)}")
+
+
+def _base_times(graph: BlockGraph) -> tuple[float, float]:
+    """Extra time of plain checkpointing, and of a selective policy that keeps nothing."""
+    overheads = graph.overheads
+    prefix = sum(n.wall_time for n in graph.nodes[:graph.stop])
+    checkpoint = overheads.region + overheads.per_saved * graph.saved_tensors + prefix
+    selective = checkpoint + overheads.policy_forward * len(graph.nodes) + overheads.policy_replay * graph.stop
+    return checkpoint, selective
+
+
+def _recompute_peak(graph: BlockGraph, kept: set[int]) -> int:
+    """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
+    stop = graph.stop
+    delta = [0] * (stop + 1)
+    for s in graph.storages:
+        if s.producer >= stop or s.producer in kept:
+            continue
+        # Saved tensors stay with the refill until backward unpacks them; others die as in forward.
+        end = stop if s.saved or s.dies is None else min(s.dies, stop)
+        delta[s.producer] += s.nbytes
+        delta[end] -= s.nbytes
+    running = peak = 0
+    for change in delta[:stop]:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def evaluate(graph: BlockGraph, mode: str, kept: Iterable[int] = ()) -> FrontPoint:
+    """The cost model's prediction for running ``graph``'s block in ``mode`` keeping the ``kept`` nodes.
+
+    Example:
+        >>> evaluate(graph, "selective", [graph.keepable[0]]).kept_bytes
+    """
+    kept = tuple(sorted(set(kept)))
+    if mode == "keep":
+        return FrontPoint("keep", (), graph.keep_all_bytes, graph.input_saved_bytes, 0.0, 0, 0, 0)
+    allowed = set(graph.keepable)
+    if mode not in ("checkpoint", "selective") or (mode == "checkpoint" and kept):
+        raise ValueError(f"remat: mode must be 'keep', 'checkpoint' or 'selective' (with kept nodes), got {mode!r}.")
+    if not allowed.issuperset(kept):
+        raise ValueError(f"remat: nodes {sorted(set(kept) - allowed)} cannot be kept; choose from graph.keepable.")
+    checkpoint_time, selective_time = _base_times(graph)
+    time = checkpoint_time if mode == "checkpoint" else selective_time - sum(graph.nodes[i].kernel_time for i in kept)
+    kept_bytes = graph.input_bytes + sum(graph.nodes[i].out_bytes for i in kept)
+    peak = _recompute_peak(graph, set(kept))
+    rerun = sum(1 for n in graph.nodes[:graph.stop] if n.kind != "ignored" and n.index not in kept)
+    return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
+                      max(0, kept_bytes + peak - graph.keep_all_bytes), rerun)
+
+
+def _knapsack(items: list[tuple[int, float, int]]) -> list[tuple[int, float, tuple[int, ...]]]:
+    """Every (bytes, time saved) a subset of ``items`` reaches that no other subset beats, with the subset."""
+    states: list[tuple[int, float, tuple | None]] = [(0, 0.0, None)]
+    for nbytes, gain, index in items:
+        grown = [(b + nbytes, g + gain, (index, trail)) for b, g, trail in states]
+        merged = sorted(states + grown, key=lambda s: (s[0], -s[1]))
+        states = []
+        best = -1.0
+        for state in merged:
+            if state[1] > best:
+                states.append(state)
+                best = state[1]
+    result = []
+    for nbytes, gain, trail in states:
+        chosen = []
+        while trail is not None:
+            chosen.append(trail[0])
+            trail = trail[1]
+        result.append((nbytes, gain, tuple(sorted(chosen))))
+    return result
+
+
+def block_front(graph: BlockGraph) -> list[FrontPoint]:
+    """The exact front of ``graph``'s block: kept bytes strictly up, extra time strictly down.
+
+    The first point is ``checkpoint`` (only the inputs kept), the last ``keep``.
+
+    Example:
+        >>> front = block_front(profile_ops(model, tokens).blocks["blocks.0"])
+        >>> [p.mode for p in (front[0], front[-1])]
+        ['checkpoint', 'keep']
+    """
+    _, selective_time = _base_times(graph)
+    items = [(graph.nodes[i].out_bytes, graph.nodes[i].kernel_time, i) for i in graph.keepable]
+    candidates = [evaluate(graph, "keep"), evaluate(graph, "checkpoint")]
+    for _, gain, chosen in _knapsack(items):
+        # Only selective states that can beat plain checkpointing on time are worth scoring.
+        if chosen and selective_time - gain < candidates[1].extra_time:
+            candidates.append(evaluate(graph, "selective", chosen))
+    candidates.sort(key=lambda p: (p.kept_bytes, p.extra_time))
+    front: list[FrontPoint] = []
+    for point in candidates:
+        if not front or point.extra_time < front[-1].extra_time:
+            front.append(point)
+    return front
+
+
+def fronts(profile: OpProfile) -> dict[str, list[FrontPoint]]:
+    """The front of every block of ``profile``, solved once per distinct graph (blocks share the list).
+
+    Example:
+        >>> per_block = fronts(profile_ops(model, tokens))
+    """
+    solved: dict[int, list[FrontPoint]] = {}
+    result = {}
+    for name, graph in profile.blocks.items():
+        if id(graph) not in solved:
+            solved[id(graph)] = block_front(graph)
+        result[name] = solved[id(graph)]
+    return result
+
+
+def thin_front(front: list[FrontPoint], points: int) -> list[FrontPoint]:
+    """At most ``points`` points of ``front``: both ends and the cheapest point under evenly spaced byte levels.
+
+    Example:
+        >>> len(thin_front(front, 8)) <= 8
+        True
+    """
+    if points < 2:
+        raise ValueError(f"remat: a thinned front keeps both ends; points must be >= 2, got {points}.")
+    if len(front) <= points:
+        return list(front)
+    levels = [p.kept_bytes for p in front]
+    low, high = levels[0], levels[-1]
+    chosen = {0, len(front) - 1}
+    for k in range(1, points - 1):
+        chosen.add(bisect.bisect_right(levels, low + (high - low) * k / (points - 1)) - 1)
+    return [front[i] for i in sorted(chosen)]
+
+
+def policy_for(graph: BlockGraph, point: FrontPoint) -> BlockPolicy:
+    """The installable, serializable :class:`~remat.oppolicy.BlockPolicy` of one front point.
+
+    Example:
+        >>> policy_for(graph, front[len(front) // 2]).wrap(model.blocks[0])
+    """
+    if point.mode == "keep":
+        return BlockPolicy("keep")
+    kept = set(point.kept)
+    return BlockPolicy(point.mode, [
+        OpDecision(graph.nodes[i].op, graph.nodes[i].call, graph.nodes[i].out_bytes,
+                   "keep" if i in kept else "recompute")
+        for i in graph.keepable
+    ])
+
+
+def needed_ops(graph: BlockGraph, kept: Iterable[int]) -> set[int]:
+    """The ops a recomputation would need to run if it ran only what rebuilds the dropped saved tensors.
+
+    remat's replay runs more (every op up to ``graph.stop`` that is not
+    kept); the difference is what a skipping replay would save.  Random ops
+    are needed (they must advance the RNG), and so is every op that writes
+    a needed storage in place.
+
+    Example:
+        >>> sorted(needed_ops(graph, []))  # with nothing kept
+    """
+    kept = set(kept)
+    nodes = graph.nodes[:graph.stop]
+    writers: dict[int, list[int]] = {}
+    for n in nodes:
+        for target in n.writes:
+            writers.setdefault(target, []).append(n.index)
+    saved_producers = {s.producer for s in graph.storages if s.saved}
+    frontier = [n.index for n in nodes if n.index not in kept and (n.index in saved_producers or n.random)]
+    needed: set[int] = set()
+    while frontier:
+        index = frontier.pop()
+        if index in needed or index in kept:
+            continue
+        needed.add(index)
+        frontier.extend(graph.nodes[index].needs)
+        frontier.extend(writers.get(index, ()))
+    return needed
