@@ -76,31 +76,56 @@ class FrontPoint:
                 f"+{self.extra_time * 1e3:.2f} ms, backward +{format_bytes(self.backward_extra)}")
 
 
-def _base_times(graph: BlockGraph) -> tuple[float, float]:
-    """Extra time of plain checkpointing, and of a selective policy that keeps nothing."""
-    overheads = graph.overheads
-    prefix = sum(n.wall_time for n in graph.nodes[:graph.stop])
-    checkpoint = overheads.region + overheads.per_saved * graph.saved_tensors + prefix
-    selective = checkpoint + overheads.policy_forward * len(graph.nodes) + overheads.policy_replay * graph.stop
-    return checkpoint, selective
+class _CostModel:
+    """The cost model of one graph, with what every point shares computed once."""
 
+    def __init__(self, graph: BlockGraph) -> None:
+        self.graph = graph
+        self.keepable = set(graph.keepable)
+        stop, overheads = graph.stop, graph.overheads
+        prefix = sum(n.wall_time for n in graph.nodes[:stop])
+        self.checkpoint_time = overheads.region + overheads.per_saved * graph.saved_tensors + prefix
+        self.selective_time = (self.checkpoint_time + overheads.policy_forward * len(graph.nodes)
+                               + overheads.policy_replay * stop)
+        # (maker, first op after which it is gone, bytes) of every storage a recomputation makes: saved
+        # tensors stay with the refill until backward unpacks them, the others die as in forward.
+        self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)
+                      for s in graph.storages if s.producer < stop]
+        self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
 
-def _recompute_peak(graph: BlockGraph, kept: set[int]) -> int:
-    """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
-    stop = graph.stop
-    delta = [0] * (stop + 1)
-    for s in graph.storages:
-        if s.producer >= stop or s.producer in kept:
-            continue
-        # Saved tensors stay with the refill until backward unpacks them; others die as in forward.
-        end = stop if s.saved or s.dies is None else min(s.dies, stop)
-        delta[s.producer] += s.nbytes
-        delta[end] -= s.nbytes
-    running = peak = 0
-    for change in delta[:stop]:
-        running += change
-        peak = max(peak, running)
-    return peak
+    def recompute_peak(self, kept: set[int]) -> int:
+        """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
+        stop = self.graph.stop
+        delta = [0] * (stop + 1)
+        for producer, end, nbytes in self.lives:
+            if producer not in kept:
+                delta[producer] += nbytes
+                delta[end] -= nbytes
+        running = peak = 0
+        for change in delta[:stop]:
+            running += change
+            peak = max(peak, running)
+        return peak
+
+    def point(self, mode: str, kept: tuple[int, ...]) -> FrontPoint:
+        graph = self.graph
+        if mode == "keep":
+            return FrontPoint("keep", (), graph.keep_all_bytes, graph.input_saved_bytes, 0.0, 0, 0, 0)
+        if mode not in ("checkpoint", "selective") or (mode == "checkpoint" and kept):
+            raise ValueError(
+                f"remat: mode must be 'keep', 'checkpoint' or 'selective' (with kept nodes), got {mode!r}.")
+        if not self.keepable.issuperset(kept):
+            raise ValueError(f"remat: nodes {sorted(set(kept) - self.keepable)} cannot be kept; choose from "
+                             "graph.keepable.")
+        nodes = graph.nodes
+        if mode == "checkpoint":
+            time = self.checkpoint_time
+        else:
+            time = self.selective_time - sum(nodes[i].kernel_time for i in kept)
+        kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
+        peak = self.recompute_peak(set(kept))
+        return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
+                          max(0, kept_bytes + peak - graph.keep_all_bytes), self.rerun - len(kept))
 
 
 def evaluate(graph: BlockGraph, mode: str, kept: Iterable[int] = ()) -> FrontPoint:
@@ -109,21 +134,7 @@ def evaluate(graph: BlockGraph, mode: str, kept: Iterable[int] = ()) -> FrontPoi
     Example:
         >>> evaluate(graph, "selective", [graph.keepable[0]]).kept_bytes
     """
-    kept = tuple(sorted(set(kept)))
-    if mode == "keep":
-        return FrontPoint("keep", (), graph.keep_all_bytes, graph.input_saved_bytes, 0.0, 0, 0, 0)
-    allowed = set(graph.keepable)
-    if mode not in ("checkpoint", "selective") or (mode == "checkpoint" and kept):
-        raise ValueError(f"remat: mode must be 'keep', 'checkpoint' or 'selective' (with kept nodes), got {mode!r}.")
-    if not allowed.issuperset(kept):
-        raise ValueError(f"remat: nodes {sorted(set(kept) - allowed)} cannot be kept; choose from graph.keepable.")
-    checkpoint_time, selective_time = _base_times(graph)
-    time = checkpoint_time if mode == "checkpoint" else selective_time - sum(graph.nodes[i].kernel_time for i in kept)
-    kept_bytes = graph.input_bytes + sum(graph.nodes[i].out_bytes for i in kept)
-    peak = _recompute_peak(graph, set(kept))
-    rerun = sum(1 for n in graph.nodes[:graph.stop] if n.kind != "ignored" and n.index not in kept)
-    return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
-                      max(0, kept_bytes + peak - graph.keep_all_bytes), rerun)
+    return _CostModel(graph).point(mode, tuple(sorted(set(kept))))
 
 
 def _knapsack(items: list[tuple[int, float, int]]) -> list[tuple[int, float, tuple[int, ...]]]:
@@ -158,13 +169,13 @@ def block_front(graph: BlockGraph) -> list[FrontPoint]:
         >>> [p.mode for p in (front[0], front[-1])]
         ['checkpoint', 'keep']
     """
-    _, selective_time = _base_times(graph)
+    model = _CostModel(graph)
     items = [(graph.nodes[i].out_bytes, graph.nodes[i].kernel_time, i) for i in graph.keepable]
-    candidates = [evaluate(graph, "keep"), evaluate(graph, "checkpoint")]
+    candidates = [model.point("keep", ()), model.point("checkpoint", ())]
     for _, gain, chosen in _knapsack(items):
         # Only selective states that can beat plain checkpointing on time are worth scoring.
-        if chosen and selective_time - gain < candidates[1].extra_time:
-            candidates.append(evaluate(graph, "selective", chosen))
+        if chosen and model.selective_time - gain < model.checkpoint_time:
+            candidates.append(model.point("selective", chosen))
     candidates.sort(key=lambda p: (p.kept_bytes, p.extra_time))
     front: list[FrontPoint] = []
     for point in candidates:
