@@ -35,6 +35,7 @@ only one of them is timed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import statistics
@@ -52,9 +53,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .memory import format_bytes
 from .modules import ActivationWrapper
-from .oppolicy import Overheads, measure_overheads
+from .oppolicy import BlockPolicy, Overheads, measure_overheads
 from .profile import candidate_modules
-from .selective import SAC_IGNORED_OPS
+from .selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
 
@@ -327,21 +328,43 @@ def _synchronizer(record: _BlockRecord) -> Callable[[], None]:
     return getattr(torch, accelerator).synchronize
 
 
-def _time_block(record: _BlockRecord, n: int, repeats: int) -> tuple[list[float], list[float], float]:
-    """Per-op kernel and wall times and the plain forward time of one block: medians of interleaved runs."""
+@dataclass
+class _Timing:
+    kernel: list[float]
+    wall: list[float]
+    forward: float
+    policy_forward: float
+    policy_replay: float
+
+
+def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
+    """Per-op kernel and wall times, the plain forward, and a selective policy's cost per op on this block.
+
+    Medians of interleaved rounds.  The policy's cost is measured on the block itself (forward under a
+    keep-nothing policy, and its replay, against the plain forward): with real tensors streaming through
+    the caches, the Python work per dispatched op costs far more than on tiny tensors.
+    """
     module, args, kwargs = record.module, record.args, record.kwargs
     sync = _synchronizer(record)
-    plain: list[float] = []
+    samples: dict[str, list[float]] = {"plain": [], "recorder": [], "replayer": []}
     kernels: list[list[float]] = []
     gaps: list[list[float]] = []
+
+    def timed(label: str, context: Any) -> None:
+        sync()
+        start = time.perf_counter()
+        with context:
+            module(*args, **kwargs)
+        sync()
+        samples[label].append(time.perf_counter() - start)
+
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
         for round_index in range(repeats + 1):
-            sync()
-            start = time.perf_counter()
-            module(*args, **kwargs)
-            sync()
-            elapsed = time.perf_counter() - start
+            timed("plain", contextlib.nullcontext())
+            recorder, replayer = create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
+            timed("recorder", recorder)
+            timed("replayer", replayer)
             watch = _Stopwatch(n, sync)
             with watch:
                 watch.last = time.perf_counter()
@@ -353,16 +376,24 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> tuple[list[float]
                     "supported)."
                 )
             if round_index:  # the first round warms up
-                plain.append(elapsed)
                 kernels.append(watch.kernel)
                 gaps.append(watch.gap)
+            else:
+                for values in samples.values():
+                    values.clear()
     kernel = [statistics.median(column) for column in zip(*kernels)]
     gap = [statistics.median(column) for column in zip(*gaps)]
-    forward = statistics.median(plain)
+    forward = statistics.median(samples["plain"])
     # The stopwatch's own cost sits in the gaps: scale them so kernels + gaps add up to the plain forward.
     outside = max(forward - sum(kernel), 0.0)
     scale = outside / sum(gap) if sum(gap) > 0 else 0.0
-    return kernel, [k + g * scale for k, g in zip(kernel, gap)], forward
+
+    def per_op(label: str) -> float:
+        # Differences within a round cancel the machine's load drifting from round to round.
+        return max(statistics.median(a - b for a, b in zip(samples[label], samples["plain"])), 0.0) / n
+
+    return _Timing(kernel, [k + g * scale for k, g in zip(kernel, gap)], forward, per_op("recorder"),
+                   per_op("replayer"))
 
 
 def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
@@ -434,8 +465,10 @@ def profile_ops(
     block per signature (``repeats`` interleaved runs, medians);
     ``"estimate"`` (forced on the meta device) uses FLOPs and bytes moved at
     ``throughput`` FLOP/s and ``bandwidth`` B/s.  ``overheads`` fixes the
-    checkpoint machinery's costs (default: :func:`~remat.oppolicy.measure_overheads`
-    on this host).  The RNG state is left as it was.
+    checkpoint machinery's costs; by default the per-region and per-saved-tensor
+    costs come from :func:`~remat.oppolicy.measure_overheads` and a selective
+    policy's cost per op is measured on each timed block (tiny-op figures when
+    times are estimated).  The RNG state is left as it was.
 
     Example:
         >>> model = remat.models.GPT()
@@ -470,7 +503,6 @@ def profile_ops(
             recorder.current = None
 
     handles = []
-    overheads = overheads or measure_overheads()
     try:
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
@@ -483,7 +515,7 @@ def profile_ops(
             handles.clear()
             for finalizer in recorder.finalizers:
                 finalizer.detach()
-            graphs = _graphs(records, estimated, overheads, repeats)
+            graphs = _graphs(records, estimated, overheads or measure_overheads(), repeats, overheads is None)
     finally:
         for handle in handles:
             handle.remove()
@@ -493,8 +525,8 @@ def profile_ops(
     return OpProfile(blocks=graphs, device=device, notes=notes)
 
 
-def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads,
-            repeats: int) -> dict[str, BlockGraph]:
+def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
+            measure_policy: bool) -> dict[str, BlockGraph]:
     by_signature: dict[str, BlockGraph] = {}
     graphs = {}
     for name, record in records.items():
@@ -502,9 +534,13 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
         shared = by_signature.get(graph.signature)
         if shared is None:
             if not estimated:
-                kernel, wall, forward = _time_block(record, len(graph.nodes), repeats)
-                graph.nodes = [replace(n, kernel_time=k, wall_time=w) for n, k, w in zip(graph.nodes, kernel, wall)]
-                graph.forward_time = forward
+                timing = _time_block(record, len(graph.nodes), repeats)
+                graph.nodes = [replace(n, kernel_time=k, wall_time=w)
+                               for n, k, w in zip(graph.nodes, timing.kernel, timing.wall)]
+                graph.forward_time = timing.forward
+                if measure_policy:
+                    graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
+                                              policy_replay=timing.policy_replay)
             shared = by_signature[graph.signature] = graph
         graphs[name] = shared
     return graphs
