@@ -335,3 +335,56 @@ def test_bad_input_gets_clear_errors():
     apply_block_policies(model, {"blocks.0": BlockPolicy("checkpoint")})
     with pytest.raises(ValueError, match="remove them first"):
         profile_ops(model, x)
+
+
+class _Failing(nn.Module):
+    def forward(self, x):
+        return x.sin() + torch.ones(3)  # shapes do not broadcast
+
+
+def test_an_error_in_the_forward_leaves_no_hook_behind():
+    model = nn.Sequential(_Failing(), _Failing())
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        profile_ops(model, torch.randn(2, 4, requires_grad=True), timing="estimate", overheads=FIXED)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def _hugging_face(kind):
+    import sys
+    import types
+
+    # torchvision's compiled ops cannot load beside the CPU torch build; transformers may import it.
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(cfg).train()
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.1,
+                                  embd_pdrop=0.1, attn_pdrop=0.1)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hugging_face_blocks_with_keyword_inputs_install_exactly(kind):
+    model = _hugging_face(kind)
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+
+    def grads():
+        torch.manual_seed(3)
+        # No KV cache: a cache written in forward would make the recomputation run other ops.
+        return torch.autograd.grad(model(input_ids=tokens, labels=tokens, use_cache=False).loss, params)
+
+    reference = grads()
+    prof = profile_ops(model, input_ids=tokens, use_cache=False, timing="estimate", overheads=FIXED, **CPU_LIKE)
+    assert len(prof.blocks) == 2 and len(prof.distinct) == 1
+    graph = prof.distinct[0]
+    assert graph.input_bytes > 2 * 32 * 64 * 4  # the hidden states and the keyword inputs (masks, rotary tables)
+    front = block_front(graph)
+    for point in (front[0], front[len(front) // 2], front[-1]):
+        apply_block_policies(model, {name: policy_for(graph, point) for name in prof.blocks})
+        assert_bitwise(grads(), reference)
+    remove_block_policies(model, list(prof.blocks))

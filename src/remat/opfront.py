@@ -11,10 +11,12 @@ mode           kept through the step                  extra time per step
 =============  =====================================  ===========================================================
 
 ``stop`` is where remat's early stop ends a recomputation: at the block's
-last saved tensor, whatever is kept.  Region, per-saved-tensor and per-op
-policy costs are measured (:func:`remat.oppolicy.measure_overheads`): a
-selective policy pays ``policy_forward`` for every op of the forward and
-``policy_replay`` for every op the recomputation dispatches.
+last saved tensor, whatever is kept.  The machinery's costs are measured
+(``graph.overheads``: per checkpointed call and per saved tensor by
+:func:`remat.oppolicy.measure_overheads`, per op under a selective policy on
+the block itself by :func:`remat.opgraph.profile_ops`): a selective policy
+pays ``policy_forward`` for every op of the forward and ``policy_replay`` for
+every op the recomputation dispatches.
 
 Why there are no "recompute j ⇒ j's inputs are kept or recomputed"
 constraints: remat's replay reruns *every* op that is not kept up to the stop

@@ -191,7 +191,6 @@ class _BlockRecord:
         self.ops = 0
         self.packs = 0
         self.last_pack = 0
-        self.input_bytes = 0
         self.input_saved: set[int] = set()
         self.input_sizes: dict[int, int] = {}
         self.done = False
