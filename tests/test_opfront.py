@@ -100,7 +100,10 @@ def _held_after_forward(module, block, shape):
         y = module(x)
         snapshot = max(tracker.get_tracker_snapshot("current").values(), key=lambda s: s["Total"])
     params = sum(p.untyped_storage().nbytes() for p in block.parameters())
-    return snapshot["Total"] - params - x.untyped_storage().nbytes() - y.untyped_storage().nbytes()
+    held = snapshot["Total"] - params - x.untyped_storage().nbytes() - y.untyped_storage().nbytes()
+    # MemTracker's gradient hooks hold the graph (and its checkpoint frames) until a backward runs through them.
+    torch.autograd.backward(y.sum(), inputs=[x])
+    return held
 
 
 def _names(graph, point):
