@@ -339,60 +339,59 @@ class _Timing:
 def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
     """Per-op kernel and wall times, the plain forward, and a selective policy's cost per op on this block.
 
-    Medians of interleaved rounds.  The policy's cost is measured on the block itself (forward under a
-    keep-nothing policy, and its replay, against the plain forward): with real tensors streaming through
-    the caches, the Python work per dispatched op costs far more than on tiny tensors.
+    Each round runs the block plain, under the stopwatch, and under the stopwatch beneath a keep-nothing
+    policy's forward and replay modes.  The policy's cost is the growth of the per-op gaps between kernels
+    (medians per op), measured on the block itself: with real tensors streaming through the caches the
+    Python work per dispatched op costs far more than on tiny tensors, and comparing gaps rather than
+    whole runs leaves out the kernels' much larger noise on a busy machine.
     """
     module, args, kwargs = record.module, record.args, record.kwargs
     sync = _synchronizer(record)
-    samples: dict[str, list[float]] = {"plain": [], "recorder": [], "replayer": []}
+    plain: list[float] = []
     kernels: list[list[float]] = []
-    gaps: list[list[float]] = []
+    gaps: dict[str, list[list[float]]] = {"alone": [], "recorder": [], "replayer": []}
 
-    def timed(label: str, context: Any) -> None:
-        sync()
-        start = time.perf_counter()
-        with context:
+    def watched(label: str, context: Any, round_index: int) -> None:
+        watch = _Stopwatch(n, sync)
+        with watch, context:  # the policy's mode on top: the stopwatch sees only the kernel calls
+            watch.last = time.perf_counter()
             module(*args, **kwargs)
-        sync()
-        samples[label].append(time.perf_counter() - start)
+        if watch.count != n:
+            raise RuntimeError(
+                f"remat.profile_ops: {record.name} ran {watch.count} ops when timed but {n} when profiled; its "
+                "forward must run the same ops on the same inputs (data-dependent control flow is not supported)."
+            )
+        if round_index:  # the first round warms up
+            kernels.append(watch.kernel)
+            gaps[label].append(watch.gap)
 
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
         for round_index in range(repeats + 1):
-            timed("plain", contextlib.nullcontext())
+            sync()
+            start = time.perf_counter()
+            module(*args, **kwargs)
+            sync()
+            if round_index:
+                plain.append(time.perf_counter() - start)
+            watched("alone", contextlib.nullcontext(), round_index)
+            # A policy with nothing to keep runs every op in replay too, so every op is timed three times.
             recorder, replayer = create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
-            timed("recorder", recorder)
-            timed("replayer", replayer)
-            watch = _Stopwatch(n, sync)
-            with watch:
-                watch.last = time.perf_counter()
-                module(*args, **kwargs)
-            if watch.count != n:
-                raise RuntimeError(
-                    f"remat.profile_ops: {record.name} ran {watch.count} ops when timed but {n} when profiled; its "
-                    "forward must run the same ops on the same inputs (data-dependent control flow is not "
-                    "supported)."
-                )
-            if round_index:  # the first round warms up
-                kernels.append(watch.kernel)
-                gaps.append(watch.gap)
-            else:
-                for values in samples.values():
-                    values.clear()
+            watched("recorder", recorder, round_index)
+            watched("replayer", replayer, round_index)
     kernel = [statistics.median(column) for column in zip(*kernels)]
-    gap = [statistics.median(column) for column in zip(*gaps)]
-    forward = statistics.median(samples["plain"])
-    # The stopwatch's own cost sits in the gaps: scale them so kernels + gaps add up to the plain forward.
-    outside = max(forward - sum(kernel), 0.0)
-    scale = outside / sum(gap) if sum(gap) > 0 else 0.0
+    gap = {label: [statistics.median(column) for column in zip(*rows)] for label, rows in gaps.items()}
+    forward = statistics.median(plain)
+    # The stopwatch slows what it watches (its Python work between ops evicts caches): scale its figures so
+    # an op's wall time (kernel and the gap before it) adds up to the plain forward.
+    total = sum(kernel) + sum(gap["alone"])
+    scale = forward / total if total > 0 else 0.0
 
     def per_op(label: str) -> float:
-        # Differences within a round cancel the machine's load drifting from round to round.
-        return max(statistics.median(a - b for a, b in zip(samples[label], samples["plain"])), 0.0) / n
+        return max(sum(gap[label]) - sum(gap["alone"]), 0.0) * scale / n
 
-    return _Timing(kernel, [k + g * scale for k, g in zip(kernel, gap)], forward, per_op("recorder"),
-                   per_op("replayer"))
+    return _Timing([k * scale for k in kernel], [(k + g) * scale for k, g in zip(kernel, gap["alone"])], forward,
+                   per_op("recorder"), per_op("replayer"))
 
 
 def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
