@@ -16,7 +16,8 @@ last saved tensor, whatever is kept.  The machinery's costs are measured
 :func:`remat.oppolicy.measure_overheads`, per op under a selective policy on
 the block itself by :func:`remat.opgraph.profile_ops`): a selective policy
 pays ``policy_forward`` for every op of the forward and ``policy_replay`` for
-every op the recomputation dispatches.
+every op the recomputation dispatches (its first ``stop`` ops and a detach per
+rebuilt tensor that requires grad).
 
 Why there are no "recompute j ⇒ j's inputs are kept or recomputed"
 constraints: remat's replay reruns *every* op that is not kept up to the stop
@@ -87,8 +88,9 @@ class _CostModel:
         stop, overheads = graph.stop, graph.overheads
         prefix = sum(n.wall_time for n in graph.nodes[:stop])
         self.checkpoint_time = overheads.region + overheads.per_saved * graph.saved_tensors + prefix
+        # The replay also dispatches the detach of every rebuilt tensor that requires grad.
         self.selective_time = (self.checkpoint_time + overheads.policy_forward * len(graph.nodes)
-                               + overheads.policy_replay * stop)
+                               + overheads.policy_replay * (stop + graph.saved_needing_grad))
         # (maker, first op after which it is gone, bytes) of every storage a recomputation makes: saved
         # tensors stay with the refill until backward unpacks them, the others die as in forward.
         self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)

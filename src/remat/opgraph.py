@@ -23,7 +23,10 @@ For each operator the block dispatches, an :class:`OpNode` holds:
   runs; on the meta device, or with ``timing="estimate"``, the larger of
   FLOPs / ``throughput`` and bytes moved / ``bandwidth``.
 
-Per storage a :class:`StorageLife` says who made it, whether autograd saves
+``saved_tensors`` counts what autograd saves (parameters included), and
+``saved_needing_grad`` those that require grad: a recomputation detaches each
+of them, one more op dispatched under a policy.  Per storage a
+:class:`StorageLife` says who made it, whether autograd saves
 it and after how many ops of a plain forward it died; the front's cost model
 uses that for the recomputation's peak.  ``BlockGraph.stop`` is the number of
 ops a recomputation runs: remat's early stop ends it at the block's last
@@ -105,6 +108,7 @@ class BlockGraph:
     input_bytes: int
     input_saved_bytes: int
     saved_tensors: int
+    saved_needing_grad: int
     stop: int
     forward_time: float
     estimated: bool
@@ -190,6 +194,7 @@ class _BlockRecord:
         self.calls: dict[Any, int] = {}
         self.ops = 0
         self.packs = 0
+        self.packs_needing_grad = 0
         self.last_pack = 0
         self.input_saved: set[int] = set()
         self.input_sizes: dict[int, int] = {}
@@ -229,6 +234,7 @@ class _Recorder(TorchDispatchMode):
         record = self.current
         if record is not None:
             record.packs += 1
+            record.packs_needing_grad += t.requires_grad
             record.last_pack = record.ops
             where = record.owner.get(t.untyped_storage())
             if where is not None and where >= 0:
@@ -418,13 +424,13 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
               for t in _tensors((record.args, record.kwargs))]
     structure = repr((type(record.module).__qualname__, inputs, record.input_saved,
                       [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated)
-                       for n in nodes], storages, record.packs, record.last_pack))
+                       for n in nodes], storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
         input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
-        saved_tensors=record.packs, stop=record.last_pack, forward_time=sum(n.wall_time for n in nodes),
-        estimated=estimated, overheads=overheads,
+        saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
+        forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
     )
 
 
