@@ -125,6 +125,9 @@ class BlockPolicy:
 
         Only the ops that have kept calls are counted; the policy is asked
         about every call of such an op in forward, so its count is the call index.
+
+        Example:
+            >>> y = remat.checkpoint(block, x, policy=policy.policy_fn())  # for one call only
         """
         keep = self._keep
         counts = dict.fromkeys(keep, 0)
@@ -140,7 +143,11 @@ class BlockPolicy:
         return policy
 
     def context_fn(self) -> tuple[Any, Any]:
-        """The ``(forward, recompute)`` contexts for ``remat.checkpoint(..., context_fn=policy.context_fn)``."""
+        """The ``(forward, recompute)`` contexts for one checkpointed call, with fresh counters.
+
+        Example:
+            >>> y = remat.checkpoint(block, x, context_fn=policy.context_fn)
+        """
         return create_selective_checkpoint_contexts(self.policy_fn())
 
     def wrap(self, module: nn.Module) -> nn.Module:
@@ -157,7 +164,11 @@ class BlockPolicy:
         return wrapper
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"mode": ..., "ops": [{"op", "call", "bytes", "decision"}, ...]}``."""
+        """Plain data: ``{"mode": ..., "ops": [{"op", "call", "bytes", "decision"}, ...]}``.
+
+        Example:
+            >>> json.dump(policy.to_dict(), open("block0.json", "w"))
+        """
         return {"mode": self.mode, "ops": [asdict(d) for d in self.decisions]}
 
     @classmethod
@@ -214,7 +225,11 @@ def apply_block_policies(model: nn.Module, policies: Mapping[str, BlockPolicy]) 
 
 
 def remove_block_policies(model: nn.Module, names: list[str]) -> nn.Module:
-    """Undo :func:`apply_block_policies` for ``names``. Returns ``model``."""
+    """Undo :func:`apply_block_policies` for ``names``. Returns ``model``.
+
+    Example:
+        >>> remove_block_policies(model, ["blocks.0", "blocks.1"])
+    """
     for name in names:
         parent, child, current = _locate(model, name)
         if isinstance(current, ActivationWrapper):
