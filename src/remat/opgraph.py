@@ -347,9 +347,9 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
 
     Each round runs the block plain, under the stopwatch, and under the stopwatch beneath a keep-nothing
     policy's forward and replay modes.  The policy's cost is the growth of the per-op gaps between kernels
-    (medians per op), measured on the block itself: with real tensors streaming through the caches the
-    Python work per dispatched op costs far more than on tiny tensors, and comparing gaps rather than
-    whole runs leaves out the kernels' much larger noise on a busy machine.
+    (medians per op), measured on the block itself: between kernels that stream megabytes through the
+    caches the same Python work costs more than on tiny tensors (2-4x for the demo GPT block here), and
+    comparing gaps rather than whole runs leaves out the kernels' much larger noise on a busy machine.
     """
     module, args, kwargs = record.module, record.args, record.kwargs
     sync = _synchronizer(record)

@@ -264,8 +264,9 @@ def measure_overheads(rounds: int = 15, ops: int = 64) -> Overheads:
     """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per process).
 
     The per-op policy figures are a floor: between ops that stream megabytes
-    through the caches the same Python work costs several times more, so
-    :func:`~remat.opgraph.profile_ops` measures them again on each block it times.
+    through the caches the same Python work costs more (2-4x for the demo GPT
+    block here), so :func:`~remat.opgraph.profile_ops` measures them again on
+    each block it times.
 
     Example:
         >>> measure_overheads().policy_forward  # seconds per op, some microseconds
