@@ -22,6 +22,9 @@ from .modules import (
 )
 from .nonreentrant import GraphExecGroup
 from .offload import OffloadStats, offload, save_on_cpu
+from .opfront import block_front
+from .opgraph import profile_ops
+from .oppolicy import BlockPolicy
 from .planner import InfeasibleBudget, Plan, plan
 from .profile import Profile, profile
 from .reentrant import CheckpointFunction, check_backward_validity, detach_variable
@@ -46,6 +49,9 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "offload",
     "offload_wrapper",
+    "BlockPolicy",
+    "block_front",
+    "profile_ops",
     "plan",
     "policies",
     "profile",

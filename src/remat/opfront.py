@@ -1,0 +1,268 @@
+"""The exact front of op-level policies of one block: the least extra time for each amount of kept memory.
+
+A point of the front is one way to run the block (a :class:`FrontPoint`):
+
+=============  =====================================  ===========================================================
+mode           kept through the step                  extra time per step
+=============  =====================================  ===========================================================
+``keep``       what autograd saves (inputs included)  0
+``checkpoint`` the block's inputs                     wall time of the first ``stop`` ops + region + saved tensors
+``selective``  inputs + the kept op outputs ``K``     checkpoint's − Σ kernel time of ``K`` + policy dispatch
+=============  =====================================  ===========================================================
+
+``stop`` is where remat's early stop ends a recomputation: at the block's
+last saved tensor, whatever is kept.  The machinery's costs are measured
+(``graph.overheads``: per checkpointed call and per saved tensor by
+:func:`remat.oppolicy.measure_overheads`, per op under a selective policy on
+the block itself by :func:`remat.opgraph.profile_ops`): a selective policy
+pays ``policy_forward`` for every op of the forward and ``policy_replay`` for
+every op the recomputation dispatches (its first ``stop`` ops and a detach per
+rebuilt tensor that requires grad).
+
+Why there are no "recompute j ⇒ j's inputs are kept or recomputed"
+constraints: remat's replay reruns *every* op that is not kept up to the stop
+point (kept outputs are served instead), whether or not a dropped saved
+tensor needs it.  The constraints hold by construction and the cost is a sum
+over the kept ops, so the front is that of a 0/1 knapsack, enumerated exactly
+by a dynamic program over the ops that keeps every (bytes, time) state no
+other state beats — all breakpoints in one pass, both ends included.  (A
+replay that skipped ops no dropped tensor needs would make the set
+formulation matter; see :func:`needed_ops`.)
+
+During the block's backward the recomputation rebuilds every saved tensor
+that is not kept and holds it until backward uses it; ``recompute_peak`` is
+the most it holds at once (rebuilt saved tensors plus temporaries alive at
+that op, from the storage lives of a plain forward), and ``backward_extra``
+is how far that takes the block above plain autograd at the same moment.
+Offloading is not a front option on a CPU host (there is nowhere cheaper to
+put the bytes).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .memory import format_bytes
+from .opgraph import BlockGraph, OpProfile
+from .oppolicy import BlockPolicy, OpDecision
+
+__all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "policy_for", "thin_front"]
+
+
+@dataclass(frozen=True)
+class FrontPoint:
+    """One way to run a block: its mode, kept op outputs (node indices) and predicted cost.
+
+    ``kept_bytes`` is held from the block's forward to its backward and
+    includes ``input_bytes`` (the block's inputs it holds); ``extra_time`` is
+    seconds added per step; ``recompute_peak`` / ``backward_extra`` are bytes
+    (see the module docstring); ``recomputed_ops`` counts the ops whose
+    kernels run again.
+    """
+
+    mode: str
+    kept: tuple[int, ...]
+    kept_bytes: int
+    input_bytes: int
+    extra_time: float
+    recompute_peak: int
+    backward_extra: int
+    recomputed_ops: int
+
+    def describe(self, graph: BlockGraph) -> str:
+        """One line: mode, kept bytes, what is kept, extra time."""
+        names = ", ".join(f"{graph.nodes[i].op.split('.')[1]}#{graph.nodes[i].call}" for i in self.kept)
+        what = f" keeps {names}" if names else ""
+        return (f"{self.mode}: {format_bytes(self.kept_bytes)} kept{what}; {self.recomputed_ops} ops rerun, "
+                f"+{self.extra_time * 1e3:.2f} ms, backward +{format_bytes(self.backward_extra)}")
+
+
+class _CostModel:
+    """The cost model of one graph, with what every point shares computed once."""
+
+    def __init__(self, graph: BlockGraph) -> None:
+        self.graph = graph
+        self.keepable = set(graph.keepable)
+        stop, overheads = graph.stop, graph.overheads
+        prefix = sum(n.wall_time for n in graph.nodes[:stop])
+        self.checkpoint_time = overheads.region + overheads.per_saved * graph.saved_tensors + prefix
+        # The replay also dispatches the detach of every rebuilt tensor that requires grad.
+        self.selective_time = (self.checkpoint_time + overheads.policy_forward * len(graph.nodes)
+                               + overheads.policy_replay * (stop + graph.saved_needing_grad))
+        # (maker, first op after which it is gone, bytes) of every storage a recomputation makes: saved
+        # tensors stay with the refill until backward unpacks them, the others die as in forward.
+        self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)
+                      for s in graph.storages if s.producer < stop]
+        self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
+
+    def recompute_peak(self, kept: set[int]) -> int:
+        """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
+        stop = self.graph.stop
+        delta = [0] * (stop + 1)
+        for producer, end, nbytes in self.lives:
+            if producer not in kept:
+                delta[producer] += nbytes
+                delta[end] -= nbytes
+        running = peak = 0
+        for change in delta[:stop]:
+            running += change
+            peak = max(peak, running)
+        return peak
+
+    def point(self, mode: str, kept: tuple[int, ...]) -> FrontPoint:
+        graph = self.graph
+        if mode == "keep":
+            return FrontPoint("keep", (), graph.keep_all_bytes, graph.input_saved_bytes, 0.0, 0, 0, 0)
+        if mode not in ("checkpoint", "selective") or (mode == "checkpoint" and kept):
+            raise ValueError(
+                f"remat: mode must be 'keep', 'checkpoint' or 'selective' (with kept nodes), got {mode!r}.")
+        if not self.keepable.issuperset(kept):
+            raise ValueError(f"remat: nodes {sorted(set(kept) - self.keepable)} cannot be kept; choose from "
+                             "graph.keepable.")
+        nodes = graph.nodes
+        if mode == "checkpoint":
+            time = self.checkpoint_time
+        else:
+            time = self.selective_time - sum(nodes[i].kernel_time for i in kept)
+        kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
+        peak = self.recompute_peak(set(kept))
+        return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
+                          max(0, kept_bytes + peak - graph.keep_all_bytes), self.rerun - len(kept))
+
+
+def evaluate(graph: BlockGraph, mode: str, kept: Iterable[int] = ()) -> FrontPoint:
+    """The cost model's prediction for running ``graph``'s block in ``mode`` keeping the ``kept`` nodes.
+
+    Example:
+        >>> evaluate(graph, "selective", [graph.keepable[0]]).kept_bytes
+    """
+    return _CostModel(graph).point(mode, tuple(sorted(set(kept))))
+
+
+def _knapsack(items: list[tuple[int, float, int]]) -> list[tuple[int, float, tuple[int, ...]]]:
+    """Every (bytes, time saved) a subset of ``items`` reaches that no other subset beats, with the subset."""
+    states: list[tuple[int, float, tuple | None]] = [(0, 0.0, None)]
+    for nbytes, gain, index in items:
+        grown = [(b + nbytes, g + gain, (index, trail)) for b, g, trail in states]
+        merged = sorted(states + grown, key=lambda s: (s[0], -s[1]))
+        states = []
+        best = -1.0
+        for state in merged:
+            if state[1] > best:
+                states.append(state)
+                best = state[1]
+    result = []
+    for nbytes, gain, trail in states:
+        chosen = []
+        while trail is not None:
+            chosen.append(trail[0])
+            trail = trail[1]
+        result.append((nbytes, gain, tuple(sorted(chosen))))
+    return result
+
+
+def block_front(graph: BlockGraph) -> list[FrontPoint]:
+    """The exact front of ``graph``'s block: kept bytes strictly up, extra time strictly down.
+
+    The first point is ``checkpoint`` (only the inputs kept), the last ``keep``.
+
+    Example:
+        >>> front = block_front(profile_ops(model, tokens).blocks["blocks.0"])
+        >>> [p.mode for p in (front[0], front[-1])]
+        ['checkpoint', 'keep']
+    """
+    model = _CostModel(graph)
+    items = [(graph.nodes[i].out_bytes, graph.nodes[i].kernel_time, i) for i in graph.keepable]
+    candidates = [model.point("keep", ()), model.point("checkpoint", ())]
+    for _, gain, chosen in _knapsack(items):
+        # Only selective states that can beat plain checkpointing on time are worth scoring.
+        if chosen and model.selective_time - gain < model.checkpoint_time:
+            candidates.append(model.point("selective", chosen))
+    candidates.sort(key=lambda p: (p.kept_bytes, p.extra_time))
+    front: list[FrontPoint] = []
+    for point in candidates:
+        if not front or point.extra_time < front[-1].extra_time:
+            front.append(point)
+    return front
+
+
+def fronts(profile: OpProfile) -> dict[str, list[FrontPoint]]:
+    """The front of every block of ``profile``, solved once per distinct graph (blocks share the list).
+
+    Example:
+        >>> per_block = fronts(profile_ops(model, tokens))
+    """
+    solved: dict[int, list[FrontPoint]] = {}
+    result = {}
+    for name, graph in profile.blocks.items():
+        if id(graph) not in solved:
+            solved[id(graph)] = block_front(graph)
+        result[name] = solved[id(graph)]
+    return result
+
+
+def thin_front(front: list[FrontPoint], points: int) -> list[FrontPoint]:
+    """At most ``points`` points of ``front``: both ends and the cheapest point under evenly spaced byte levels.
+
+    Example:
+        >>> len(thin_front(front, 8)) <= 8
+        True
+    """
+    if points < 2:
+        raise ValueError(f"remat: a thinned front keeps both ends; points must be >= 2, got {points}.")
+    if len(front) <= points:
+        return list(front)
+    levels = [p.kept_bytes for p in front]
+    low, high = levels[0], levels[-1]
+    chosen = {0, len(front) - 1}
+    for k in range(1, points - 1):
+        chosen.add(bisect.bisect_right(levels, low + (high - low) * k / (points - 1)) - 1)
+    return [front[i] for i in sorted(chosen)]
+
+
+def policy_for(graph: BlockGraph, point: FrontPoint) -> BlockPolicy:
+    """The installable, serializable :class:`~remat.oppolicy.BlockPolicy` of one front point.
+
+    Example:
+        >>> policy_for(graph, front[len(front) // 2]).wrap(model.blocks[0])
+    """
+    if point.mode == "keep":
+        return BlockPolicy("keep")
+    kept = set(point.kept)
+    return BlockPolicy(point.mode, [
+        OpDecision(graph.nodes[i].op, graph.nodes[i].call, graph.nodes[i].out_bytes,
+                   "keep" if i in kept else "recompute")
+        for i in graph.keepable
+    ])
+
+
+def needed_ops(graph: BlockGraph, kept: Iterable[int]) -> set[int]:
+    """The ops a recomputation would need to run if it ran only what rebuilds the dropped saved tensors.
+
+    remat's replay runs more (every op up to ``graph.stop`` that is not
+    kept); the difference is what a skipping replay would save.  Random ops
+    are needed (they must advance the RNG), and so is every op that writes
+    a needed storage in place.
+
+    Example:
+        >>> sorted(needed_ops(graph, []))  # with nothing kept
+    """
+    kept = set(kept)
+    nodes = graph.nodes[:graph.stop]
+    writers: dict[int, list[int]] = {}
+    for n in nodes:
+        for target in n.writes:
+            writers.setdefault(target, []).append(n.index)
+    saved_producers = {s.producer for s in graph.storages if s.saved}
+    frontier = [n.index for n in nodes if n.index not in kept and (n.index in saved_producers or n.random)]
+    needed: set[int] = set()
+    while frontier:
+        index = frontier.pop()
+        if index in needed or index in kept:
+            continue
+        needed.add(index)
+        frontier.extend(graph.nodes[index].needs)
+        frontier.extend(writers.get(index, ()))
+    return needed

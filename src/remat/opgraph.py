@@ -1,0 +1,558 @@
+"""What a block's forward does, op by op: the graph op-level checkpointing plans choose from.
+
+:func:`profile_ops` runs one forward of a model (grad enabled, no backward)
+and records the first call of every candidate block with its real inputs.
+For each operator the block dispatches, an :class:`OpNode` holds:
+
+* the op overload and its *call index* among that op's calls in the block —
+  how a :class:`~remat.oppolicy.BlockPolicy` names it;
+* its kind: ``compute`` (a policy may keep its output), ``alias`` (views and
+  in-place ops: they create no storage and always rerun) or ``ignored``
+  (detach and metadata queries, never subject to a policy); and whether it is
+  random (random ops always rerun in recomputation, so the RNG advances as in
+  forward);
+* the bytes of the storages it creates (views share their base; a
+  multi-output op's storages add up) and the part of them autograd saves
+  (storages that reached the pack hook);
+* which earlier ops produced its tensor arguments (``needs``), whether it
+  reads the block's inputs, and whose storages it writes in place (``writes``);
+* whether a later in-place op writes one of its storages: then its output
+  cannot be kept (the kept value would change under the policy);
+* its time: kernel time and its share of the forward's wall time (the
+  Python, autograd and dispatcher work around the kernel), medians of several
+  runs; on the meta device, or with ``timing="estimate"``, the larger of
+  FLOPs / ``throughput`` and bytes moved / ``bandwidth``.
+
+``saved_tensors`` counts what autograd saves (parameters included), and
+``saved_needing_grad`` those that require grad: a recomputation detaches each
+of them, one more op dispatched under a policy.  Per storage a
+:class:`StorageLife` says who made it, whether autograd saves
+it and after how many ops of a plain forward it died; the front's cost model
+uses that for the recomputation's peak.  ``BlockGraph.stop`` is the number of
+ops a recomputation runs: remat's early stop ends it at the block's last
+saved tensor, and autograd saves an op's inputs before the op runs.
+
+Blocks with the same class, inputs and op graph share one :class:`BlockGraph`;
+only one of them is timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .memory import format_bytes
+from .modules import ActivationWrapper
+from .oppolicy import BlockPolicy, Overheads, measure_overheads
+from .profile import candidate_modules
+from .selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
+
+__all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One op call of a block's forward (see the module docstring)."""
+
+    index: int
+    op: str
+    call: int
+    kind: str
+    random: bool
+    shapes: tuple[tuple[int, ...], ...]
+    out_bytes: int
+    saved_bytes: int
+    needs: tuple[int, ...]
+    writes: tuple[int, ...]
+    reads_input: bool
+    mutated: bool
+    kernel_time: float = 0.0
+    wall_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class StorageLife:
+    """A storage a block's op created: its maker, size, whether autograd saves it, when it died.
+
+    ``dies`` is the number of the block's ops completed when the storage was
+    freed in a plain forward, or None if it outlived the block's forward.
+    """
+
+    producer: int
+    nbytes: int
+    saved: bool
+    dies: int | None
+
+
+@dataclass
+class BlockGraph:
+    """The op graph of one block call: nodes, storages, inputs and where a recomputation stops."""
+
+    cls: str
+    signature: str
+    nodes: list[OpNode]
+    storages: list[StorageLife]
+    input_bytes: int
+    input_saved_bytes: int
+    saved_tensors: int
+    saved_needing_grad: int
+    stop: int
+    forward_time: float
+    estimated: bool
+    overheads: Overheads
+
+    @property
+    def keep_all_bytes(self) -> int:
+        """What plain autograd keeps for this block: the storages it saves, inputs included."""
+        return self.input_saved_bytes + sum(s.nbytes for s in self.storages if s.saved)
+
+    @property
+    def keepable(self) -> list[int]:
+        """Nodes a policy can usefully keep: compute ops that rerun in recomputation and own memory."""
+        return [n.index for n in self.nodes
+                if n.kind == "compute" and not n.random and not n.mutated and n.index < self.stop
+                and n.out_bytes > 0]
+
+    def __str__(self) -> str:
+        kind = "estimated" if self.estimated else "measured"
+        lines = [f"{self.cls}: {len(self.nodes)} ops, recomputation runs {self.stop}; inputs "
+                 f"{format_bytes(self.input_bytes)}, autograd keeps {format_bytes(self.keep_all_bytes)}; "
+                 f"forward {self.forward_time * 1e3:.2f} ms ({kind})",
+                 f"{'#':>4} {'op':<36} {'kind':<8} {'bytes':>10} {'saved':>10} {'kernel ms':>10}  needs"]
+        for n in self.nodes:
+            if n.kind == "ignored":
+                continue
+            tags = n.kind + ("*" if n.random else "") + ("!" if n.mutated else "")
+            lines.append(f"{n.index:>4} {n.op + '#' + str(n.call):<36} {tags:<8} {format_bytes(n.out_bytes):>10} "
+                         f"{format_bytes(n.saved_bytes):>10} {n.kernel_time * 1e3:>10.3f}  "
+                         f"{','.join(map(str, n.needs))}{' +input' if n.reads_input else ''}")
+        lines.append("(* random: always rerun; ! written in place later: cannot be kept)")
+        return "\n".join(lines)
+
+
+@dataclass
+class OpProfile:
+    """Per-op graphs of a model's candidate blocks; blocks with one signature share one graph."""
+
+    blocks: dict[str, BlockGraph]
+    device: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def distinct(self) -> list[BlockGraph]:
+        """One graph per signature, in model order."""
+        seen: dict[int, BlockGraph] = {}
+        for graph in self.blocks.values():
+            seen.setdefault(id(graph), graph)
+        return list(seen.values())
+
+
+@functools.cache
+def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...]]:
+    """(kind, random, arguments it writes in place as (position, name))."""
+    if op in SAC_IGNORED_OPS:
+        return "ignored", False, ()
+    schema = op._schema
+    # Same rule as the selective-checkpoint recorder: an aliasing return makes an op a view or in-place op.
+    kind = "alias" if any(r.alias_info is not None for r in schema.returns) else "compute"
+    random = torch.Tag.nondeterministic_seeded in op.tags
+    written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    return kind, random, written
+
+
+class _Life:
+    __slots__ = ("producer", "nbytes", "saved", "dies")
+
+    def __init__(self, producer: int, nbytes: int) -> None:
+        self.producer, self.nbytes, self.saved, self.dies = producer, nbytes, False, None
+
+
+class _BlockRecord:
+    """The growing record of one block call."""
+
+    def __init__(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.name, self.module = name, module
+        # Detached aliases of the real inputs, for the timing runs (no copy; autograd flags kept).
+        self.args, self.kwargs = tree_map(_detached, (args, kwargs))
+        self.owner = WeakIdKeyDictionary()  # storage -> _Life index, or -1 for an input storage
+        self.lives: list[_Life] = []
+        self.nodes: list[dict[str, Any]] = []
+        self.calls: dict[Any, int] = {}
+        self.ops = 0
+        self.packs = 0
+        self.packs_needing_grad = 0
+        self.last_pack = 0
+        self.input_saved: set[int] = set()
+        self.input_sizes: dict[int, int] = {}
+        self.done = False
+        for t in _tensors((args, kwargs)):
+            storage = t.untyped_storage()
+            if storage not in self.owner:
+                self.owner[storage] = -1 - len(self.input_sizes)
+                self.input_sizes[-1 - len(self.input_sizes)] = storage.nbytes()
+        self.input_bytes = sum(self.input_sizes.values())
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ops of the block being run (``current``), with packs and storage deaths."""
+
+    def __init__(self, estimate: Callable[[Any, tuple, dict, Any], float] | None) -> None:
+        super().__init__()
+        self.current: _BlockRecord | None = None
+        self.estimate = estimate
+        self.finalizers: list[weakref.finalize] = []
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        record = self.current
+        if record is not None:
+            record.packs += 1
+            record.packs_needing_grad += t.requires_grad
+            record.last_pack = record.ops
+            where = record.owner.get(t.untyped_storage())
+            if where is not None and where >= 0:
+                record.lives[where].saved = True
+            elif where is not None:
+                record.input_saved.add(where)
+        return t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        record = self.current
+        if record is None:
+            return func(*args, **kwargs)
+        kind, random, written = _op_info(func)
+        out = func(*args, **kwargs)
+        index = record.ops
+        record.ops += 1
+        call = record.calls.get(func, 0)
+        record.calls[func] = call + 1
+        needs, reads_input = set(), False
+        for t in _tensors((args, kwargs)):
+            where = record.owner.get(t.untyped_storage())
+            if where is not None and where >= 0:
+                needs.add(record.lives[where].producer)
+            elif where is not None:
+                reads_input = True
+        writes = set()
+        for position, name in written:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            for t in _tensors(target):
+                where = record.owner.get(t.untyped_storage())
+                if where is not None and where >= 0:
+                    writes.add(record.lives[where].producer)
+                    record.nodes[record.lives[where].producer]["mutated"] = True
+        outputs = _tensors(out)
+        created = 0
+        if kind == "compute":
+            for t in outputs:
+                storage = t.untyped_storage()
+                if storage in record.owner:
+                    continue
+                life = _Life(index, storage.nbytes())
+                record.owner[storage] = len(record.lives)
+                record.lives.append(life)
+                created += life.nbytes
+                self.finalizers.append(weakref.finalize(storage, _died, record, life))
+        record.nodes.append({
+            "index": index, "op": str(func), "call": call, "kind": kind, "random": random,
+            "shapes": tuple(tuple(t.shape) for t in outputs), "out_bytes": created,
+            "needs": tuple(sorted(needs)), "writes": tuple(sorted(writes)), "reads_input": reads_input,
+            "mutated": False,
+            # Views cost nothing; in-place ops move the memory they write.
+            "kernel_time": self.estimate(func, args, kwargs, out) if self.estimate and (kind == "compute" or written)
+            else 0.0,
+        })
+        return out
+
+
+def _died(record: _BlockRecord, life: _Life) -> None:
+    if not record.done:
+        life.dies = record.ops
+
+
+class _Stopwatch(TorchDispatchMode):
+    """Kernel time of every op and the time since the previous op returned (Python, autograd, dispatcher)."""
+
+    def __init__(self, n: int, sync: Callable[[], None]) -> None:
+        super().__init__()
+        self.kernel = [0.0] * n
+        self.gap = [0.0] * n
+        self.count = 0
+        self.last = 0.0
+        self.sync = sync
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        sync = self.sync
+        sync()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        sync()
+        end = time.perf_counter()
+        i = self.count
+        if i < len(self.kernel):
+            self.kernel[i] = end - start
+            self.gap[i] = start - self.last
+        self.count = i + 1
+        self.last = end
+        return out
+
+
+def _synchronizer(record: _BlockRecord) -> Callable[[], None]:
+    devices = {t.device.type for t in _tensors((record.args, record.kwargs))}
+    accelerator = next((d for d in devices if d not in ("cpu", "meta")), None)
+    if accelerator is None:
+        return lambda: None
+    return getattr(torch, accelerator).synchronize
+
+
+@dataclass
+class _Timing:
+    kernel: list[float]
+    wall: list[float]
+    forward: float
+    policy_forward: float
+    policy_replay: float
+
+
+def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
+    """Per-op kernel and wall times, the plain forward, and a selective policy's cost per op on this block.
+
+    Each round runs the block plain, under the stopwatch, and under the stopwatch beneath a keep-nothing
+    policy's forward and replay modes.  The policy's cost is the growth of the per-op gaps between kernels
+    (medians per op), measured on the block itself: between kernels that stream megabytes through the
+    caches the same Python work costs more than on tiny tensors (2-4x for the demo GPT block here), and
+    comparing gaps rather than whole runs leaves out the kernels' much larger noise on a busy machine.
+    """
+    module, args, kwargs = record.module, record.args, record.kwargs
+    sync = _synchronizer(record)
+    plain: list[float] = []
+    kernels: list[list[float]] = []
+    gaps: dict[str, list[list[float]]] = {"alone": [], "recorder": [], "replayer": []}
+
+    def watched(label: str, context: Any, round_index: int) -> None:
+        watch = _Stopwatch(n, sync)
+        with watch, context:  # the policy's mode on top: the stopwatch sees only the kernel calls
+            watch.last = time.perf_counter()
+            module(*args, **kwargs)
+        if watch.count != n:
+            raise RuntimeError(
+                f"remat.profile_ops: {record.name} ran {watch.count} ops when timed but {n} when profiled; its "
+                "forward must run the same ops on the same inputs (data-dependent control flow is not supported)."
+            )
+        if round_index:  # the first round warms up
+            kernels.append(watch.kernel)
+            gaps[label].append(watch.gap)
+
+    # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        for round_index in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            module(*args, **kwargs)
+            sync()
+            if round_index:
+                plain.append(time.perf_counter() - start)
+            watched("alone", contextlib.nullcontext(), round_index)
+            # A policy with nothing to keep runs every op in replay too, so every op is timed three times.
+            recorder, replayer = create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
+            watched("recorder", recorder, round_index)
+            watched("replayer", replayer, round_index)
+    kernel = [statistics.median(column) for column in zip(*kernels)]
+    gap = {label: [statistics.median(column) for column in zip(*rows)] for label, rows in gaps.items()}
+    forward = statistics.median(plain)
+    # The stopwatch slows what it watches (its Python work between ops evicts caches): scale its figures so
+    # an op's wall time (kernel and the gap before it) adds up to the plain forward.
+    total = sum(kernel) + sum(gap["alone"])
+    scale = forward / total if total > 0 else 0.0
+
+    def per_op(label: str) -> float:
+        return max(sum(gap[label]) - sum(gap["alone"]), 0.0) * scale / n
+
+    return _Timing([k * scale for k in kernel], [(k + g) * scale for k, g in zip(kernel, gap["alone"])], forward,
+                   per_op("recorder"), per_op("replayer"))
+
+
+def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
+    from torch.utils.flop_counter import flop_registry
+
+    def estimate(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
+        count = flop_registry.get(func._overloadpacket)
+        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+        moved = sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
+        return max(flops / throughput, moved / bandwidth)
+
+    return estimate
+
+
+def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> BlockGraph:
+    saved_by_node: dict[int, int] = {}
+    for life in record.lives:
+        if life.saved:
+            saved_by_node[life.producer] = saved_by_node.get(life.producer, 0) + life.nbytes
+    nodes = [OpNode(saved_bytes=saved_by_node.get(n["index"], 0), wall_time=n["kernel_time"], **n)
+             for n in record.nodes]
+    storages = [StorageLife(life.producer, life.nbytes, life.saved, life.dies) for life in record.lives]
+    inputs = [(tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
+              for t in _tensors((record.args, record.kwargs))]
+    structure = repr((type(record.module).__qualname__, inputs, record.input_saved,
+                      [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated)
+                       for n in nodes], storages, record.packs, record.packs_needing_grad, record.last_pack))
+    signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
+    return BlockGraph(
+        cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
+        input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
+        saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
+        forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
+    )
+
+
+def _resolve(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    if modules is None:
+        blocks = candidate_modules(model)
+        if not blocks:
+            raise ValueError("remat.profile_ops: found no repeated blocks (children of a ModuleList/Sequential "
+                             "sharing one class); name the blocks with modules=[...].")
+        return blocks
+    named = dict(model.named_modules())
+    missing = [m for m in modules if m not in named]
+    if missing:
+        raise ValueError(f"remat.profile_ops: no module named {missing} in {type(model).__name__}.")
+    nested = [(a, b) for a in modules for b in modules if a != b and b.startswith(a + ".")]
+    if nested:
+        raise ValueError(f"remat.profile_ops: {nested[0][1]} is inside {nested[0][0]}; name disjoint blocks.")
+    return [(m, named[m]) for m in modules]
+
+
+def profile_ops(
+    model: nn.Module,
+    *example_inputs: Any,
+    modules: Sequence[str] | None = None,
+    timing: str = "measure",
+    repeats: int = 5,
+    throughput: float = 100e12,
+    bandwidth: float = 2e12,
+    overheads: Overheads | None = None,
+    **example_kwargs: Any,
+) -> OpProfile:
+    """Record the op graph of every candidate block of ``model`` on ``example_inputs`` (one forward).
+
+    ``modules`` names the blocks (default: the repeated blocks,
+    :func:`remat.profile.candidate_modules`).  ``timing="measure"`` times one
+    block per signature (``repeats`` interleaved runs, medians);
+    ``"estimate"`` (forced on the meta device) uses FLOPs and bytes moved at
+    ``throughput`` FLOP/s and ``bandwidth`` B/s.  ``overheads`` fixes the
+    checkpoint machinery's costs; by default the per-region and per-saved-tensor
+    costs come from :func:`~remat.oppolicy.measure_overheads` and a selective
+    policy's cost per op is measured on each timed block (tiny-op figures when
+    times are estimated).  The RNG state is left as it was.
+
+    Example:
+        >>> model = remat.models.GPT()
+        >>> tokens, _ = remat.models.synthetic_batch(model.cfg, 8)
+        >>> prof = profile_ops(model, tokens)
+        >>> print(prof.blocks["blocks.0"])
+    """
+    if timing not in ("measure", "estimate"):
+        raise ValueError(f"remat.profile_ops: timing must be 'measure' or 'estimate', got {timing!r}.")
+    if repeats < 1:
+        raise ValueError(f"remat.profile_ops: repeats must be >= 1, got {repeats}.")
+    if any(isinstance(m, ActivationWrapper) for m in model.modules()):
+        raise ValueError("remat.profile_ops: the model already has checkpoint/offload wrappers; remove them first "
+                         "so the profile sees the forward without checkpointing.")
+    blocks = _resolve(model, modules)
+    tensors = [*model.parameters(), *_tensors((example_inputs, example_kwargs))]
+    on_meta = any(t.device.type == "meta" for t in tensors)
+    estimated = timing == "estimate" or on_meta
+    recorder = _Recorder(_roofline(throughput, bandwidth) if estimated else None)
+    records: dict[str, _BlockRecord] = {}
+    names = {id(module): name for name, module in blocks}
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = names[id(module)]
+        if name not in records:  # later calls of a block reuse its first call's decisions
+            recorder.current = records[name] = _BlockRecord(name, module, args, kwargs)
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        record = recorder.current
+        if record is not None and record.module is module:
+            record.done = True
+            recorder.current = None
+
+    handles = []
+    try:
+        for _, module in blocks:
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(after, with_kwargs=True))
+        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity), recorder:
+                model(*example_inputs, **example_kwargs)
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+            for finalizer in recorder.finalizers:
+                finalizer.detach()
+            graphs = _graphs(records, estimated, overheads or measure_overheads(), repeats, overheads is None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for name, _ in blocks if name not in graphs]
+    notes = [f"{', '.join(missing)} did not run in the forward; no graph"] if missing else []
+    device = str(next(iter(tensors)).device) if tensors else "cpu"
+    return OpProfile(blocks=graphs, device=device, notes=notes)
+
+
+def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
+            measure_policy: bool) -> dict[str, BlockGraph]:
+    by_signature: dict[str, BlockGraph] = {}
+    graphs = {}
+    for name, record in records.items():
+        graph = _graph(record, estimated, overheads)
+        shared = by_signature.get(graph.signature)
+        if shared is None:
+            if not estimated:
+                timing = _time_block(record, len(graph.nodes), repeats)
+                graph.nodes = [replace(n, kernel_time=k, wall_time=w)
+                               for n, k, w in zip(graph.nodes, timing.kernel, timing.wall)]
+                graph.forward_time = timing.forward
+                if measure_policy:
+                    graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
+                                              policy_replay=timing.policy_replay)
+            shared = by_signature[graph.signature] = graph
+        graphs[name] = shared
+    return graphs
+
+
+def _rng_devices(tensors: list[torch.Tensor]) -> list[int]:
+    return sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -1,0 +1,317 @@
+"""Install one op-level decision per block: keep exactly these op outputs, recompute the rest.
+
+A :class:`BlockPolicy` is what a block's point on its front of op-level
+policies turns into when it is applied (see :mod:`remat.opfront`): a mode and
+a readable list of :class:`OpDecision` — ``(op, call index, bytes,
+decision)``.  The call index counts the calls of that op overload within one
+run of the block, so two matmuls of one block can get different decisions.
+
+Modes:
+
+* ``keep``: the block runs as is (plain autograd keeps what it saves);
+* ``checkpoint``: plain checkpointing, no per-op dispatch at all;
+* ``selective``: checkpointing with a selective-checkpoint policy that keeps
+  the ``keep`` entries and recomputes everything else.  The policy is a
+  per-op lookup in a precomputed table of call indices, with a counter per
+  op that starts afresh in every checkpointed call of the block.
+
+:func:`measure_overheads` measures, on this host, what the checkpoint
+machinery itself costs (per region, per saved tensor, per op dispatched under
+a policy in forward and in recomputation); the front's cost model adds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import checkpoint
+from .memory import format_bytes
+from .modules import ActivationWrapper, checkpoint_wrapper
+from .selective import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = [
+    "MODES",
+    "BlockPolicy",
+    "OpDecision",
+    "Overheads",
+    "apply_block_policies",
+    "measure_overheads",
+    "remove_block_policies",
+    "resolve_op",
+]
+
+MODES = ("keep", "checkpoint", "selective")
+_SAVE = CheckpointPolicy.MUST_SAVE
+_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    """The operator overload named like ``str(op)``: ``"aten.addmm.default"``.
+
+    Example:
+        >>> resolve_op("aten.addmm.default") is torch.ops.aten.addmm.default
+        True
+    """
+    parts = name.split(".")
+    try:
+        if len(parts) != 3:
+            raise AttributeError(name)
+        namespace, packet, overload = parts
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"remat: no operator named {name!r}; write it as namespace.op.overload, e.g. 'aten.addmm.default' "
+            "(load the library that defines custom ops before loading the policy)."
+        ) from None
+
+
+@dataclass(frozen=True)
+class OpDecision:
+    """What one op output of a block gets: ``decision`` is ``"keep"`` or ``"recompute"``."""
+
+    op: str
+    call: int
+    bytes: int
+    decision: str
+
+
+class BlockPolicy:
+    """One block's op-level decisions, ready to install; JSON-friendly through :meth:`to_dict`.
+
+    Example:
+        >>> policy = BlockPolicy("selective", [OpDecision("aten.addmm.default", 0, 3 << 20, "keep")])
+        >>> block = policy.wrap(block)            # keeps the first addmm's output, recomputes the rest
+        >>> BlockPolicy.from_dict(policy.to_dict()).kept == policy.kept
+        True
+    """
+
+    def __init__(self, mode: str, decisions: list[OpDecision] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"remat: unknown block policy mode {mode!r}; choose from {list(MODES)}.")
+        decisions = list(decisions or [])
+        bad = [d for d in decisions if d.decision not in ("keep", "recompute")]
+        if bad:
+            raise ValueError(f"remat: an op decision must be 'keep' or 'recompute', got {bad[0].decision!r}.")
+        if mode != "selective" and any(d.decision == "keep" for d in decisions):
+            raise ValueError(f"remat: a {mode!r} block policy keeps no op outputs; use mode='selective'.")
+        self.mode = mode
+        self.decisions = decisions
+        table: dict[Any, set[int]] = {}
+        for d in decisions:
+            if d.decision == "keep":
+                table.setdefault(resolve_op(d.op), set()).add(d.call)
+        self._keep = {op: frozenset(calls) for op, calls in table.items()}
+
+    @property
+    def kept(self) -> list[tuple[str, int]]:
+        """The ``(op, call index)`` pairs this policy keeps."""
+        return [(d.op, d.call) for d in self.decisions if d.decision == "keep"]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the kept op outputs (as profiled)."""
+        return sum(d.bytes for d in self.decisions if d.decision == "keep")
+
+    def policy_fn(self) -> Callable[..., CheckpointPolicy]:
+        """A fresh policy function for one checkpointed call (its call counters start at zero).
+
+        Only the ops that have kept calls are counted; the policy is asked
+        about every call of such an op in forward, so its count is the call index.
+
+        Example:
+            >>> y = remat.checkpoint(block, x, policy=policy.policy_fn())  # for one call only
+        """
+        keep = self._keep
+        counts = dict.fromkeys(keep, 0)
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            calls = keep.get(op)
+            if calls is None:
+                return _RECOMPUTE
+            index = counts[op]
+            counts[op] = index + 1
+            return _SAVE if index in calls else _RECOMPUTE
+
+        return policy
+
+    def context_fn(self) -> tuple[Any, Any]:
+        """The ``(forward, recompute)`` contexts for one checkpointed call, with fresh counters.
+
+        Example:
+            >>> y = remat.checkpoint(block, x, context_fn=policy.context_fn)
+        """
+        return create_selective_checkpoint_contexts(self.policy_fn())
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """``module`` set up to run under this policy (``keep``: the module itself).
+
+        Example:
+            >>> wrapped = BlockPolicy("checkpoint").wrap(model.blocks[0])
+        """
+        if self.mode == "keep":
+            return module
+        wrapper = checkpoint_wrapper(module) if self.mode == "checkpoint" else checkpoint_wrapper(
+            module, context_fn=self.context_fn)
+        wrapper._remat_block_policy = self
+        return wrapper
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ``{"mode": ..., "ops": [{"op", "call", "bytes", "decision"}, ...]}``.
+
+        Example:
+            >>> json.dump(policy.to_dict(), open("block0.json", "w"))
+        """
+        return {"mode": self.mode, "ops": [asdict(d) for d in self.decisions]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BlockPolicy:
+        """Rebuild a policy written by :meth:`to_dict`.
+
+        Example:
+            >>> BlockPolicy.from_dict({"mode": "checkpoint", "ops": []}).mode
+            'checkpoint'
+        """
+        try:
+            return cls(data["mode"], [OpDecision(d["op"], int(d["call"]), int(d["bytes"]), d["decision"])
+                                      for d in data.get("ops", [])])
+        except (KeyError, TypeError) as error:
+            raise ValueError(
+                f"remat: not a block policy ({error!r}); expected {{'mode': ..., 'ops': [{{'op', 'call', 'bytes', "
+                "'decision'}, ...]}} as written by BlockPolicy.to_dict()."
+            ) from None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockPolicy) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"<BlockPolicy {self.mode}: {len(self.kept)} kept op outputs, {format_bytes(self.kept_bytes)}>"
+
+    def __str__(self) -> str:
+        lines = [f"{self.mode}: keeps {len(self.kept)} op outputs ({format_bytes(self.kept_bytes)})"]
+        lines += [f"  {d.decision:<9} {d.op}#{d.call}  {format_bytes(d.bytes)}" for d in self.decisions]
+        return "\n".join(lines)
+
+
+def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
+    parent_name, _, child = name.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, ActivationWrapper):
+            parent = parent._checkpoint_wrapped_module
+        return parent, child, getattr(parent, child)
+    except AttributeError:
+        raise ValueError(f"remat: no module named {name!r} in {type(model).__name__}.") from None
+
+
+def apply_block_policies(model: nn.Module, policies: Mapping[str, BlockPolicy]) -> nn.Module:
+    """Install one :class:`BlockPolicy` per named block, in place (re-applying replaces). Returns ``model``.
+
+    Example:
+        >>> apply_block_policies(model, {"blocks.0": policy, "blocks.1": BlockPolicy("checkpoint")})
+    """
+    for name, policy in policies.items():
+        parent, child, current = _locate(model, name)
+        inner = current._checkpoint_wrapped_module if isinstance(current, ActivationWrapper) else current
+        setattr(parent, child, policy.wrap(inner))
+    return model
+
+
+def remove_block_policies(model: nn.Module, names: list[str]) -> nn.Module:
+    """Undo :func:`apply_block_policies` for ``names``. Returns ``model``.
+
+    Example:
+        >>> remove_block_policies(model, ["blocks.0", "blocks.1"])
+    """
+    for name in names:
+        parent, child, current = _locate(model, name)
+        if isinstance(current, ActivationWrapper):
+            setattr(parent, child, current._checkpoint_wrapped_module)
+    return model
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds the checkpoint machinery adds on this host, whatever the ops cost.
+
+    ``region``: per checkpointed call (frame, input saver, RNG capture and
+    replay); ``per_saved``: per tensor autograd saves inside a region
+    (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
+    op dispatched under a selective policy in forward / in recomputation.
+    """
+
+    region: float
+    per_saved: float
+    policy_forward: float
+    policy_replay: float
+
+
+def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x.sin()  # saves its input: one saved tensor per op
+    return x
+
+
+@functools.cache
+def measure_overheads(rounds: int = 15, ops: int = 64) -> Overheads:
+    """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per process).
+
+    The per-op policy figures are a floor: between ops that stream megabytes
+    through the caches the same Python work costs more (2-4x for the demo GPT
+    block here), so :func:`~remat.opgraph.profile_ops` measures them again on
+    each block it times.
+
+    Example:
+        >>> measure_overheads().policy_forward  # seconds per op, some microseconds
+    """
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    sin = torch.ops.aten.sin.default
+    # A policy whose table holds the op (so every call is counted) but keeps no call of it.
+    probe = BlockPolicy("selective", [OpDecision(str(sin), ops + 1, 0, "keep")])
+
+    def under_policy() -> tuple[float, float]:
+        forward, recompute = probe.context_fn()
+        start = time.perf_counter()
+        with forward:
+            _chain(x, ops)
+        middle = time.perf_counter()
+        with recompute:
+            _chain(x, ops)
+        return middle - start, time.perf_counter() - middle
+
+    steps: dict[str, Callable[[], Any]] = {
+        "forward": lambda: _chain(x, ops),
+        "short": lambda: _chain(x, 1).sum().backward(),
+        "short_ckpt": lambda: checkpoint(_chain, x, 1).sum().backward(),
+        "long": lambda: _chain(x, ops).sum().backward(),
+        "long_ckpt": lambda: checkpoint(_chain, x, ops).sum().backward(),
+    }
+    samples: dict[str, list[float]] = {label: [] for label in (*steps, "recorder", "replayer")}
+    with torch.random.fork_rng(devices=[]):
+        for _ in range(rounds):
+            for label, step in steps.items():
+                start = time.perf_counter()
+                step()
+                samples[label].append(time.perf_counter() - start)
+            recorded, replayed = under_policy()
+            samples["recorder"].append(recorded)
+            samples["replayer"].append(replayed)
+    x.grad = None
+    t = {label: statistics.median(values) for label, values in samples.items()}
+    # A checkpointed chain of n ops recomputes n - 1 of them: the last op's saved input is its last pack.
+    extra_short = t["short_ckpt"] - t["short"]
+    extra_long = t["long_ckpt"] - t["long"] - t["forward"] * (ops - 1) / ops
+    per_saved = max((extra_long - extra_short) / (ops - 1), 0.0)
+    return Overheads(
+        region=max(extra_short - per_saved, 0.0),
+        per_saved=per_saved,
+        policy_forward=max((t["recorder"] - t["forward"]) / ops, 0.0),
+        policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
+    )
