@@ -129,8 +129,8 @@ def whisper() -> ZooCase:
     model = transformers.WhisperForConditionalGeneration(cfg).train()
     # MemTracker hooks every parameter's gradient and cannot measure a model with frozen ones: train them all
     model.requires_grad_(True)
-    features = torch.randn(4, 16, 128, generator=torch.Generator().manual_seed(3))
-    labels = _tokens(4, 48, seed=2)
+    features = torch.randn(8, 16, 128, generator=torch.Generator().manual_seed(3))
+    labels = _tokens(8, 64, seed=2)
     return ZooCase("whisper", model,
                    kwargs={"input_features": features, "decoder_input_ids": labels, "labels": labels},
                    block="Whisper*Layer", blocks=6)
@@ -146,7 +146,8 @@ def _classify(name: str, model: nn.Module, batch: int, size: int, block: str, bl
 def vit() -> ZooCase:
     _, timm = import_vision()
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, depth=4)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=8, num_classes=10,
+                              depth=4)
     return _classify("vit", model, 8, 64, "Block", 4)
 
 
@@ -154,7 +155,7 @@ def convnext() -> ZooCase:
     _, timm = import_vision()
     torch.manual_seed(0)
     model = timm.create_model("convnext_atto", pretrained=False, num_classes=10)
-    return _classify("convnext_atto", model, 4, 64, "ConvNeXtBlock", 12)
+    return _classify("convnext_atto", model, 8, 128, "ConvNeXtBlock", 12)
 
 
 def swin() -> ZooCase:
@@ -164,26 +165,26 @@ def swin() -> ZooCase:
     torch.manual_seed(0)
     model = SwinTransformer(img_size=64, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2, 2),
                             num_heads=(2, 4, 8), num_classes=10)
-    return _classify("swin", model, 4, 64, "SwinTransformerBlock", 6)
+    return _classify("swin", model, 8, 64, "SwinTransformerBlock", 6)
 
 
 def efficientnet() -> ZooCase:
     _, timm = import_vision()
     torch.manual_seed(0)
     model = timm.create_model("efficientnet_b0", pretrained=False, num_classes=10)
-    return _classify("efficientnet_b0", model, 4, 64, "*Residual|DepthwiseSeparableConv", 16)
+    return _classify("efficientnet_b0", model, 8, 96, "*Residual|DepthwiseSeparableConv", 16)
 
 
 def resnet18() -> ZooCase:
     torchvision, _ = import_vision()
     torch.manual_seed(0)
-    return _classify("resnet18", torchvision.models.resnet18(num_classes=10), 4, 64, "BasicBlock", 8)
+    return _classify("resnet18", torchvision.models.resnet18(num_classes=10), 8, 112, "BasicBlock", 8)
 
 
 def mobilenet() -> ZooCase:
     torchvision, _ = import_vision()
     torch.manual_seed(0)
-    return _classify("mobilenet_v3_small", torchvision.models.mobilenet_v3_small(num_classes=10), 4, 64,
+    return _classify("mobilenet_v3_small", torchvision.models.mobilenet_v3_small(num_classes=10), 8, 96,
                      "InvertedResidual", 11)
 
 

@@ -96,7 +96,7 @@ def block_options(prof: Profile, allow: Sequence[str] = OPTIONS[1:]) -> list[lis
     per_block = []
     for row in prof.rows:
         choices = [BlockOption("keep", row.own_bytes)]
-        if "checkpoint" in allow:
+        if "checkpoint" in allow and row.checkpoint_time != float("inf"):
             choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,

@@ -172,10 +172,10 @@ class Profile:
 class _Storage:
     """What the profile learns about one storage: size, life in raw segments, who saves and takes it."""
 
-    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing")
+    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted")
 
-    def __init__(self, nbytes: int, birth: int, existing: bool) -> None:
-        self.nbytes, self.birth, self.death, self.existing = nbytes, birth, None, existing
+    def __init__(self, nbytes: int, birth: int, existing: bool, counted: bool) -> None:
+        self.nbytes, self.birth, self.death, self.existing, self.counted = nbytes, birth, None, existing, counted
         self.savers: set[int | None] = set()  # block indices; None for code outside the blocks
         self.inputs: set[int] = set()
 
@@ -183,7 +183,8 @@ class _Storage:
 class _Timeline(TorchDispatchMode):
     """Counts live storage bytes as ops allocate and tensors die; keeps the peak of each segment."""
 
-    def __init__(self, existing: Sequence[torch.Tensor], record: bool = False) -> None:
+    def __init__(self, existing: Sequence[torch.Tensor], record: bool = False,
+                 uncounted: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
         self.series: list[int] | None = [] if record else None  # live bytes after every op
         self.live = 0
@@ -195,25 +196,27 @@ class _Timeline(TorchDispatchMode):
         self.records: list[_Storage] = []
         for t in existing:
             self.track(t, existing=True)
+        for t in uncounted:
+            self.track(t, existing=True, counted=False)
         self.segment_peak = self.segment_start = self.live
 
-    def track(self, t: torch.Tensor, existing: bool = False) -> _Storage:
+    def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
         """The record of ``t``'s storage, created (and counted live) on first sight."""
         storage = t.untyped_storage()
         found = self.storages.get(storage)
         if found is not None:
             return found
-        record = _Storage(storage.nbytes(), len(self.segments), existing)
+        record = _Storage(storage.nbytes(), len(self.segments), existing, counted)
         self.storages[storage] = record
         self.records.append(record)
-        self.live += record.nbytes
+        self.live += record.nbytes if counted else 0
         self.segment_peak = max(self.segment_peak, self.live)
         # A storage's Python object lives as long as the storage: its death frees the bytes.
         weakref.finalize(storage, self._free, record)
         return record
 
     def _free(self, record: _Storage) -> None:
-        self.live -= record.nbytes
+        self.live -= record.nbytes if record.counted else 0
         record.death = len(self.segments)
 
     def mark(self, label: str) -> None:
@@ -458,8 +461,9 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
     """Per block, median forward seconds plain, checkpointed, and checkpointed with save_matmuls.
 
     Forwards only (the graph is dropped), the three variants interleaved round by round after a
-    warm-up round; blocks with one signature share the median of their pooled timings.  A variant whose
-    forward fails on this model (a policy meeting an op it cannot cache) is priced at infinity.
+    warm-up round (whose wrapped steps also run backward); blocks with one signature share the median of
+    their pooled timings.  A variant that fails on this model (a policy meeting an output mutated in
+    place) is priced at infinity.
     """
     from .modules import checkpoint_wrapper
     from .policies import save_matmuls
@@ -496,11 +500,16 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
                     _swap(model, blocks[i][0], module)
             try:
                 with torch.enable_grad():
-                    step()
+                    loss = step()
+                if not round_index and wrap is not None:
+                    loss.backward()  # once: a policy may fail only when it recomputes
+                    model.zero_grad(set_to_none=True)
+                del loss
             except Exception:
                 if wrap is None:
                     raise
                 failed.add(variant)
+                model.zero_grad(set_to_none=True)
             finally:
                 for h in handles:
                     h.remove()
@@ -528,7 +537,8 @@ def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torc
            blocks: list[tuple[str, nn.Module]], *modes: Any) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
     """One instrumented step: the memory timeline, who saves and takes which storage, matmul outputs."""
     params = list(model.parameters())
-    timeline = _Timeline([*params, *model.buffers(), *inputs])
+    # The example inputs exist before the step and are not counted, as MemTracker does not see them.
+    timeline = _Timeline([*params, *model.buffers()], uncounted=inputs)
     probe = _Probe(blocks, timeline)
     meter = _MatmulMeter(probe)
     probe.install()
