@@ -27,7 +27,9 @@ shared storages still held finds the exact optimum of this model.
 
 from __future__ import annotations
 
+import bisect
 import json
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -239,33 +241,39 @@ def _solve(prof: Profile, budget: int, options: list[list[BlockOption]], with_co
     """
     accounting = _Accounting(prof)
     n = accounting.n
+    cap = _caps(prof, budget, options, accounting)
     fronts: dict[int, list[tuple[float, int, Any]]] = {0: [(0.0, 0, None)]}  # mask -> [(time, -freed, trail)]
     for p in range(n + 1):
+        # every check is linear in the bytes freed so far: each needs a least amount, per mask
         checks = accounting.checks[p]
         survivors: dict[int, list[tuple[float, int, Any]]] = {}
         for mask, front in fronts.items():
-            kept = [s for s in front if all(accounting.value(c, -s[1], mask) <= budget for c in checks)]
+            need = max((accounting.value(c, 0, mask) for c in checks), default=budget) - budget
+            kept = [s for s in front if -s[1] >= need]
             if kept:
                 survivors[mask] = kept
         if p == n:
             fronts = survivors
             break
         row = prof.rows[p]
-        candidates: dict[int, list[tuple[float, int, int, Any]]] = {}
+        candidates: dict[int, list[tuple[float, int, Any]]] = {}
         for mask, front in survivors.items():
             for index, option in enumerate(options[p]):
                 new_mask = (mask | accounting.holds(p, option)) & accounting.keep_bits[p]
+                need = accounting.own_peak(p, option, row.own_bytes, 0, mask) - budget
                 cost = option.extra_time if with_cost else 0.0
-                delta = row.own_bytes - option.kept
-                bucket = candidates.setdefault(new_mask, [])
-                for time_spent, neg_freed, trail in front:
-                    if accounting.own_peak(p, option, row.own_bytes, -neg_freed, mask) <= budget:
-                        bucket.append((time_spent + cost, neg_freed - delta, index, (index, trail)))
+                delta, limit = row.own_bytes - option.kept, cap[p + 1]
+                # the front frees more the later a state comes: the states that pass are a tail of it
+                first = bisect.bisect_left(front, need, key=_freed)
+                candidates.setdefault(new_mask, []).extend(
+                    (time_spent + cost, -min(delta - neg_freed, limit), (index, trail))
+                    for time_spent, neg_freed, trail in front[first:]
+                )
         fronts = {}
-        for mask, bucket in candidates.items():
-            bucket.sort(key=lambda s: (s[0], s[1], s[2]))
+        for mask, bucket in _merge_masks(candidates).items():
+            bucket.sort(key=_time_then_freed)  # stable: ties keep the order states and options are listed
             front, best = [], None
-            for time_spent, neg_freed, _, trail in bucket:
+            for time_spent, neg_freed, trail in bucket:
                 if best is None or neg_freed < best:
                     front.append((time_spent, neg_freed, trail))
                     best = neg_freed
@@ -279,6 +287,56 @@ def _solve(prof: Profile, budget: int, options: list[list[BlockOption]], with_co
         decisions.append(trail[0])
         trail = trail[1]
     return decisions[::-1]
+
+
+_MAX_MASKS = 8
+
+
+def _merge_masks(groups: dict[int, list]) -> dict[int, list]:
+    """At most ``_MAX_MASKS`` groups: neighbours merge under the union of their masks.
+
+    A set bit only adds bytes, so a merged group is judged on the safe side: with many shared storages
+    open at once the plan stays within budget but may be a little dearer than the optimum.
+    """
+    while len(groups) > _MAX_MASKS:
+        masks = sorted(groups)
+        merged: dict[int, list] = {}
+        for a, b in zip(masks[::2], masks[1::2] + [None]):
+            union = a if b is None else a | b
+            merged.setdefault(union, []).extend(groups[a] + (groups[b] if b is not None else []))
+        groups = merged
+    return groups
+
+
+def _freed(state: tuple[float, int, Any]) -> int:
+    return -state[1]
+
+
+_time_then_freed = operator.itemgetter(0, 1)
+
+
+def _caps(prof: Profile, budget: int, options: list[list[BlockOption]], accounting: _Accounting) -> list[int]:
+    """cap[p]: freeing more than this before block p helps no later check, whatever the plan does next.
+
+    States above the cap are equivalent, so the DP clamps them to it: the front stays small and the
+    optimum exact.
+    """
+    def bound(check: tuple[int, int, list[tuple[int, int]]]) -> int:
+        base, const, varying = check
+        return base + const + sum(nbytes for _, nbytes in varying) - budget
+
+    n = accounting.n
+    cap = [0] * (n + 1)
+    cap[n] = max((bound(c) for c in accounting.checks[n]), default=0)
+    for p in range(n - 1, -1, -1):
+        own = prof.rows[p].own_bytes
+        need = max([bound(c) for c in accounting.checks[p]] + [bound(accounting.backward[p])])
+        recomputing = [o for o in options[p] if o.recomputes]
+        if recomputing:
+            need = max(need, bound(accounting.restart[p]) + max(o.kept - own + o.transient for o in recomputing))
+        give_back = max(0, max(o.kept - own for o in options[p]))
+        cap[p] = max(need, cap[p + 1] + give_back, 0)
+    return cap
 
 
 def _smallest_peak(prof: Profile, options: list[list[BlockOption]]) -> int:
