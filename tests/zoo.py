@@ -123,13 +123,13 @@ def whisper() -> ZooCase:
     torch.manual_seed(0)
     cfg = transformers.WhisperConfig(vocab_size=128, d_model=64, encoder_layers=3, decoder_layers=3,
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-                                     decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=64,
+                                     decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=128,
                                      max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                      decoder_start_token_id=1, attn_implementation="eager", use_cache=False)
     model = transformers.WhisperForConditionalGeneration(cfg).train()
     # MemTracker hooks every parameter's gradient and cannot measure a model with frozen ones: train them all
     model.requires_grad_(True)
-    features = torch.randn(8, 16, 128, generator=torch.Generator().manual_seed(3))
+    features = torch.randn(8, 16, 256, generator=torch.Generator().manual_seed(3))
     labels = _tokens(8, 64, seed=2)
     return ZooCase("whisper", model,
                    kwargs={"input_features": features, "decoder_input_ids": labels, "labels": labels},
