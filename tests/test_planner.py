@@ -2,7 +2,6 @@
 
 import itertools
 import random
-import time
 
 import pytest
 import torch
@@ -51,12 +50,12 @@ def _measure(model, inputs, loss_fn):
 
 
 @pytest.mark.parametrize("build", [_gpt, _conv, _chain], ids=["gpt", "conv", "chain"])
-def test_profile_peak_matches_memtracker_within_ten_percent(build):
+def test_profile_peak_matches_memtracker(build):
     model, inputs, loss_fn = build()
     prof = remat.profile(model, *inputs, loss_fn=loss_fn)
     measured = _measure(model, inputs, loss_fn)
-    assert abs(prof.peak_bytes - measured.peak_total) <= 0.10 * measured.peak_total
-    assert abs(prof.peak_above_params - measured.peak_above_params) <= 0.10 * measured.peak_above_params
+    assert abs(prof.peak_bytes - measured.peak_total) <= 0.01 * measured.peak_total
+    assert abs(prof.peak_above_params - measured.peak_above_params) <= 0.01 * measured.peak_above_params
     assert all(row.act_bytes > 0 and row.forward_time > 0 for row in prof.rows)
     assert "activations" in str(prof) and prof.to_dict()["rows"]
 
@@ -225,20 +224,102 @@ def test_meta_profiling_needs_meta_tensors():
         remat.profile(model, *inputs, loss_fn=loss_fn, device="meta")
 
 
-def test_predictions_hold_for_every_option_pattern():
+class _MaskedBlock(nn.Module):
+    """Takes a large mask every block shares and none saves, like a Hugging Face attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x, mask):
+        return x + self.down(torch.tanh(self.up(x))) + mask
+
+
+class _MaskedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(5))
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], 32).masked_fill(torch.arange(32) > 20, -1.0)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return x
+
+
+def _masked():
+    torch.manual_seed(0)
+    return _MaskedModel(), (torch.randn(2048, 32),), lambda out: out.pow(2).mean()
+
+
+@pytest.mark.parametrize("build", [_gpt, _conv, _masked], ids=["gpt", "conv-shared-outputs", "shared-mask"])
+def test_predictions_hold_for_every_option_pattern(build):
     import copy
 
-    model, inputs, loss_fn = _gpt()
-    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
+    model, inputs, loss_fn = build()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
     names = [row.name for row in prof.rows]
     n = len(names)
-    patterns = [["keep"] * n, ["checkpoint"] * n, ["save_matmuls"] * n,
-                ["checkpoint"] + ["save_matmuls"] * (n - 1), ["save_matmuls"] * (n - 1) + ["keep"],
-                [("keep", "checkpoint", "save_matmuls")[i % 3] for i in range(n)]]
+    patterns = [["keep"] * n, ["checkpoint"] * n, ["checkpoint"] + ["keep"] * (n - 1), ["keep"] * (n - 1) +
+                ["checkpoint"], [("keep", "checkpoint")[i % 2] for i in range(n)]]
+    if all(row.matmul_bytes for row in prof.rows):
+        patterns += [["save_matmuls"] * n, [("keep", "checkpoint", "save_matmuls")[i % 3] for i in range(n)]]
     for decisions in patterns:
         plan = plan_from_profile(prof, 1.0)
         plan.decisions = dict(zip(names, decisions))
         planned = plan.apply(copy.deepcopy(model))
-        measured = _measure(planned, inputs, loss_fn).peak_total
-        predicted = predict_peak(prof, decisions)
-        assert 0.9 * predicted <= measured <= 1.05 * predicted, (decisions, predicted, measured)
+        measured = _measure(planned, inputs, loss_fn).peak_above_params
+        predicted = predict_peak(prof, decisions) - prof.param_bytes - prof.buffer_bytes
+        # save_matmuls' rerun is priced like a full one: it may hold less (never more), so a gap on the safe side
+        over = 0.12 if "save_matmuls" in decisions else 0.01
+        assert -0.01 * measured <= predicted - measured <= over * measured, (decisions, predicted, measured)
+
+
+def test_a_mask_every_block_takes_is_counted_once():
+    model, inputs, loss_fn = _masked()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
+    (mask,) = [s for s in prof.shared if s.input_of == [0, 1, 2, 3, 4]]
+    assert mask.nbytes == 2048 * 32 * 4 and not mask.saved_by and not mask.outside
+
+
+def test_the_same_plan_run_after_run():
+    """Five profiles of the demo GPT (small): timings differ, the plans at each budget do not."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=4, d_model=32, n_heads=2, seq_len=64, vocab_size=64, dropout=0.1)
+    model = GPT(cfg)
+    tokens, targets = synthetic_batch(cfg, 4)
+    plans = []
+    for _ in range(5):
+        prof = remat.profile(model, tokens, loss_fn=lambda logits: F.cross_entropy(logits.flatten(0, 1),
+                                                                                  targets.flatten()))
+        plans.append([prof.plan(budget).decisions for budget in (0.45, 0.6, 0.8)])
+    assert all(p == plans[0] for p in plans), plans
+    assert all("checkpoint" in decisions.values() for decisions in plans[0])
+
+
+def test_a_tighter_budget_never_predicts_a_cheaper_plan():
+    prof = _synthetic(12, seed=3, shared=3)
+    times = []
+    for fraction in (1.0, 0.8, 0.6, 0.5, 0.4, 0.3):
+        try:
+            times.append(plan_from_profile(prof, fraction).predicted_extra_time)
+        except InfeasibleBudget:
+            break
+    assert len(times) >= 3 and times == sorted(times)
+
+
+def test_custom_options_plug_into_the_chain():
+    """More options per block (e.g. op-level policies) are a list per block, keep first."""
+    from remat.planner import BlockOption
+
+    prof = _synthetic(6, seed=2)
+    options = block_options(prof, ("checkpoint",))
+    cheap = [choices + [BlockOption("half", kept=row.own_bytes // 2, extra_time=row.checkpoint_time / 4,
+                                    transient=row.recompute_bytes, recomputes=True, wrap=lambda m: m)]
+             for row, choices in zip(prof.rows, options)]
+    budget = int(0.7 * prof.peak_bytes)
+    plan = plan_from_profile(prof, budget, options=cheap)
+    assert plan.predicted_peak <= budget and "half" in plan.decisions.values()
+    assert plan.predicted_extra_time <= plan_from_profile(prof, budget, ("checkpoint",)).predicted_extra_time
+    with pytest.raises(ValueError, match="starting with 'keep'"):
+        plan_from_profile(prof, budget, options=[o[1:] for o in cheap])

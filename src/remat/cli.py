@@ -258,7 +258,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODULE:FACTORY", help="a function (or class) that returns the model")
     parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
                         help="one random float input of this shape (repeat for several inputs)")
-    parser.add_argument("--inputs", metavar="MODULE:FN", help="a function returning the input, a tuple of inputs, or a dict of keyword inputs")
+    parser.add_argument("--inputs", metavar="MODULE:FN",
+                        help="a function returning the input, a tuple of inputs, or a dict of keyword inputs")
     parser.add_argument("--modules", nargs="+", metavar="NAME",
                         help="candidate modules by qualified name (default: the repeated blocks)")
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")

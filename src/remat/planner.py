@@ -102,7 +102,7 @@ def block_options(prof: Profile, allow: Sequence[str] = OPTIONS[1:]) -> list[lis
             choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
-                                       row.recompute_bytes, True))
+                                       row.recompute_bytes + row.matmul_unsaved_bytes, True))
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
             choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))

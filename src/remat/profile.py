@@ -486,12 +486,12 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
             elapsed = [0.0] * n
             handles = []
             for i, module in enumerate(timed):
-                def pre(module, args, kwargs, i=i):
+                def pre(module, args, kwargs, i=i, started=started):
                     if signatures[i] is None:
                         signatures[i] = _signature(module, args, kwargs)
                     started[i] = time.perf_counter()
 
-                def post(module, args, kwargs, output, i=i):
+                def post(module, args, kwargs, output, i=i, started=started, elapsed=elapsed):
                     elapsed[i] += time.perf_counter() - started[i]
 
                 handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
