@@ -248,7 +248,7 @@ def _solve(prof: Profile, budget: int, options: list[list[BlockOption]], with_co
         checks = accounting.checks[p]
         survivors: dict[int, list[tuple[float, int, Any]]] = {}
         for mask, front in fronts.items():
-            need = max((accounting.value(c, 0, mask) for c in checks), default=budget) - budget
+            need = max((accounting.value(c, 0, mask) - budget for c in checks), default=-(2**62))
             kept = [s for s in front if -s[1] >= need]
             if kept:
                 survivors[mask] = kept

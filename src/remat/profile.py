@@ -417,30 +417,24 @@ def profile(
     try:
         for p in params:
             p.grad = None
-        start = time.perf_counter()
         output = model(*example_inputs, **example_kwargs)
         _refuse_kv_cache(output)
-        loss_fn(output).backward()  # also warms up the timings below
-        step_time = time.perf_counter() - start
+        loss_fn(output).backward()
         del output
         for p in params:
             p.grad = None
-        times = _time_options(model, blocks, step, repeats)
+        times, step_time = _time_options(model, blocks, step, repeats)
         traced = _trace(model, step, inputs, blocks)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
     timeline, probe, meter, grad_bytes = traced
-    forward_time, checkpoint_time, selective_time, matmul_time = [], [], [], []
-    for i, (plain, checkpointed, selective) in enumerate(times):
-        # The instrumented pass slows every op; only the matmul *share* of its time is trusted.
-        share = min(meter.time[i] / probe.seconds[i], 1.0) if probe.seconds[i] > 0 else 0.0
-        forward_time.append(plain)
-        matmul_time.append(share * plain)
-        # A recomputation costs about one checkpointed forward, and that forward pays the wrapper's
-        # overhead (for save_matmuls: the policy's dispatch) once more; save_matmuls reruns no matmul.
-        checkpoint_time.append(max(2 * checkpointed - plain, plain))
-        selective_time.append(max(2 * selective - plain - share * plain, 0.0))
+    forward_time = [plain for plain, _, _ in times]
+    checkpoint_time = [checkpointed for _, checkpointed, _ in times]
+    selective_time = [selective for _, _, selective in times]
+    # The instrumented pass slows every op; only the matmul *share* of its time is trusted.
+    matmul_time = [min(meter.time[i] / probe.seconds[i], 1.0) * forward_time[i] if probe.seconds[i] > 0 else 0.0
+                   for i in range(len(blocks))]
     return _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, matmul_time,
                      checkpoint_time, selective_time, step_time, str(params[0].device) if params else "cpu")
 
@@ -457,13 +451,16 @@ def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: Callable[[], torch.Tensor],
-                  repeats: int) -> list[tuple[float, float, float]]:
-    """Per block, median forward seconds plain, checkpointed, and checkpointed with save_matmuls.
+                  repeats: int) -> tuple[list[tuple[float, float, float]], float]:
+    """Per block: its forward seconds, and the extra step seconds of checkpointing it, plain or save_matmuls.
+    Also the median step time without checkpointing.
 
-    Forwards only (the graph is dropped), the three variants interleaved round by round after a
-    warm-up round (whose wrapped steps also run backward); blocks with one signature share the median of
-    their pooled timings.  A variant that fails on this model (a policy meeting an output mutated in
-    place) is priced at infinity.
+    Whole training steps with no block wrapped, every block checkpointed, and every block checkpointed with
+    ``save_matmuls``, interleaved round by round after a warm-up round; medians.  A variant's extra step
+    time (its recomputations and every overhead it brings: the wrapper, the policy's dispatch) is shared
+    among the blocks in proportion to their forward time under it.  Blocks with one signature share the
+    median of their pooled timings, so equal blocks tie exactly.  A variant that fails on this model (a
+    policy meeting an output mutated in place) is priced at infinity.
     """
     from .modules import checkpoint_wrapper
     from .policies import save_matmuls
@@ -474,7 +471,8 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
         "save_matmuls": lambda m: checkpoint_wrapper(m, policy=save_matmuls),
     }
     n = len(blocks)
-    samples = {variant: [[] for _ in range(n)] for variant in wrappers}
+    forward = {variant: [[] for _ in range(n)] for variant in wrappers}
+    steps: dict[str, list[float]] = {variant: [] for variant in wrappers}
     signatures: list[Any] = [None] * n
     failed: set[str] = set()
     for round_index in range(repeats + 1):
@@ -499,38 +497,44 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
                 if wrap is not None:
                     _swap(model, blocks[i][0], module)
             try:
-                with torch.enable_grad():
-                    loss = step()
-                if not round_index and wrap is not None:
-                    loss.backward()  # once: a policy may fail only when it recomputes
-                    model.zero_grad(set_to_none=True)
-                del loss
+                begin = time.perf_counter()
+                step().backward()
+                took = time.perf_counter() - begin
             except Exception:
                 if wrap is None:
                     raise
                 failed.add(variant)
-                model.zero_grad(set_to_none=True)
+                continue
             finally:
+                model.zero_grad(set_to_none=True)
                 for h in handles:
                     h.remove()
                 if wrap is not None:
                     for name, module in blocks:
                         _swap(model, name, module)
-            if round_index and variant not in failed:
+            if round_index:  # the first round warms up
+                steps[variant].append(took)
                 for i in range(n):
-                    samples[variant][i].append(elapsed[i])
+                    forward[variant][i].append(elapsed[i])
     groups: dict[Any, list[int]] = {}
     for i, signature in enumerate(signatures):
         groups.setdefault(signature if signature is not None else i, []).append(i)
-    medians = {variant: [float("inf")] * n for variant in wrappers}
-    for variant in wrappers:
-        if variant in failed:
-            continue
+    medians = {variant: [0.0] * n for variant in wrappers}
+    for variant in set(wrappers) - failed:
         for members in groups.values():
-            value = statistics.median(x for i in members for x in samples[variant][i])
+            value = statistics.median(x for i in members for x in forward[variant][i])
             for i in members:
                 medians[variant][i] = value
-    return [(medians["plain"][i], medians["checkpoint"][i], medians["save_matmuls"][i]) for i in range(n)]
+    base = statistics.median(steps["plain"])
+    extra: dict[str, list[float]] = {}
+    for variant in ("checkpoint", "save_matmuls"):
+        if variant in failed:
+            extra[variant] = [float("inf")] * n
+            continue
+        total = max(statistics.median(steps[variant]) - base, 0.0)
+        weight = sum(medians[variant]) or 1.0
+        extra[variant] = [total * t / weight for t in medians[variant]]
+    return [(medians["plain"][i], extra["checkpoint"][i], extra["save_matmuls"][i]) for i in range(n)], base
 
 
 def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
