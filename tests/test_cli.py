@@ -30,6 +30,9 @@ USER_MODULE = textwrap.dedent('''
     def batch():
         return torch.randn(512, 16)
 
+    def keyword_batch():
+        return {"input": torch.randn(512, 16)}
+
     def broken():
         raise RuntimeError("no weights here")
 ''')
@@ -83,6 +86,14 @@ def test_profile_and_plan_commands_on_a_user_model(user_module, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "decision" in out.stdout and "Predicted peak" in out.stdout
     assert set(json.loads(plan_path.read_text())["decisions"]) == {"0", "1", "2", "3"}
+    out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:batch", "--budget", "85%", "1KiB", "100%",
+                    cwd=user_module)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("Predicted peak") == 2 and "== budget 85% ==" in out.stdout
+    assert "refused: " in out.stdout and "smallest peak any plan reaches" in out.stdout
+    out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:keyword_batch", "--budget", "85%",
+                    cwd=user_module)
+    assert out.returncode == 0 and "Predicted peak" in out.stdout, out.stderr
     out = remat_cli("profile", "usermodel:build", "--inputs", "usermodel:batch", "--device", "meta", cwd=user_module)
     assert out.returncode == 0, out.stderr
     assert "estimated from FLOPs" in out.stdout

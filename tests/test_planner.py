@@ -11,8 +11,8 @@ from torch import nn
 import remat
 from remat.bench import ConvBlock, WideBlock
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planner import InfeasibleBudget, Plan, plan_from_profile, predict_peak
-from remat.profile import ModuleProfile, Profile, Segment
+from remat.planner import InfeasibleBudget, Plan, block_options, plan_from_profile, predict_peak
+from remat.profile import ModuleProfile, Profile, Segment, SharedTensor
 
 
 def _gpt():
@@ -50,12 +50,12 @@ def _measure(model, inputs, loss_fn):
 
 
 @pytest.mark.parametrize("build", [_gpt, _conv, _chain], ids=["gpt", "conv", "chain"])
-def test_profile_peak_matches_memtracker_within_ten_percent(build):
+def test_profile_peak_matches_memtracker(build):
     model, inputs, loss_fn = build()
     prof = remat.profile(model, *inputs, loss_fn=loss_fn)
     measured = _measure(model, inputs, loss_fn)
-    assert abs(prof.peak_bytes - measured.peak_total) <= 0.10 * measured.peak_total
-    assert abs(prof.peak_above_params - measured.peak_above_params) <= 0.10 * measured.peak_above_params
+    assert abs(prof.peak_bytes - measured.peak_total) <= 0.01 * measured.peak_total
+    assert abs(prof.peak_above_params - measured.peak_above_params) <= 0.01 * measured.peak_above_params
     assert all(row.act_bytes > 0 and row.forward_time > 0 for row in prof.rows)
     assert "activations" in str(prof) and prof.to_dict()["rows"]
 
@@ -100,38 +100,49 @@ def test_apply_is_idempotent_remove_undoes_and_json_round_trips(tmp_path):
         remat.plan(loaded.apply(model), *inputs, loss_fn=loss_fn, budget=0.5)
 
 
-def _synthetic(n, seed):
-    """A heterogeneous chain's profile with random sizes and costs, shaped like a measured timeline."""
+def _synthetic(n, seed, shared=0):
+    """A heterogeneous chain's profile with random sizes, costs and shared storages, shaped like a timeline."""
     rng = random.Random(seed)
     rows, segments = [], []
     base, acts = 10_000, []
     for i in range(n):
         act = rng.randint(1_000, 50_000)
         acts.append(act)
+        forward = rng.uniform(1e-3, 2e-2)
         rows.append(ModuleProfile(
             name=f"blocks.{i}", cls="Block", act_bytes=act, input_bytes=500, output_bytes=500,
-            forward_time=rng.uniform(1e-3, 2e-2), matmul_time=0.0, matmul_bytes=rng.choice([0, rng.randint(0, act)]),
-            kept_if_checkpointed=rng.randint(100, 800), recompute_extra=rng.randint(0, 5_000)))
+            forward_time=forward, matmul_time=0.0, matmul_bytes=rng.choice([0, rng.randint(0, act)]),
+            own_bytes=act, held_bytes=rng.randint(100, 800), recompute_bytes=rng.randint(0, act + 5_000),
+            checkpoint_time=forward * rng.uniform(1.0, 1.3), save_matmuls_time=forward * rng.uniform(0.2, 1.5)))
     live = base
     for i in range(n):
-        segments.append(Segment(f"forward {i}", live + acts[i] + rng.randint(0, 3_000), prefix=i))
+        segments.append(Segment(f"forward {i}", live + acts[i] + rng.randint(0, 3_000), prefix=i, start=live))
         live += acts[i]
-    segments.append(Segment("loss", live + 2_000, prefix=n))
+    segments.append(Segment("loss", live + 2_000, prefix=n, start=live))
     for i in reversed(range(n)):
-        segments.append(Segment(f"backward {i}", live + rng.randint(0, 8_000), prefix=i, block=i))
+        segments.append(Segment(f"backward {i}", live + rng.randint(0, 8_000), prefix=i, block=i, start=live,
+                                backward=True))
         live -= acts[i]
+    storages = []
+    for k in range(shared):
+        # like real models: one storage every block takes (a mask), the rest between neighbouring blocks
+        first = rng.randrange(n)
+        holders = range(n) if k == 0 else rng.sample(range(first, min(first + 3, n)), min(2, n - first))
+        storages.append(SharedTensor(
+            nbytes=rng.randint(500, 6_000), saved_by=sorted(h for h in holders if rng.random() < 0.5),
+            input_of=sorted(h for h in holders if rng.random() < 0.7), outside=rng.random() < 0.2,
+            alive=[rng.random() < 0.5 for _ in segments]))
     return Profile(rows=rows, segments=segments, param_bytes=base, buffer_bytes=0, grad_bytes=0,
-                   peak_bytes=max(s.peak for s in segments), device="cpu", step_time=0.1)
+                   peak_bytes=max(s.peak for s in segments), device="cpu", step_time=0.1, shared=storages)
 
 
 def _exhaustive(prof, budget, allow):
-    from remat.planner import _options
-
-    options = _options(prof, allow)
+    options = block_options(prof, allow)
     best = None
-    for choice in itertools.product(*[list(o) for o in options]):
-        if predict_peak(prof, choice, allow) <= budget:
-            cost = sum(options[i][d].cost for i, d in enumerate(choice))
+    for choice in itertools.product(*[list(range(len(o))) for o in options]):
+        names = [options[i][k].name for i, k in enumerate(choice)]
+        if predict_peak(prof, names, allow) <= budget:
+            cost = sum(options[i][k].extra_time for i, k in enumerate(choice))
             best = cost if best is None else min(best, cost)
     return best
 
@@ -140,7 +151,7 @@ def _exhaustive(prof, budget, allow):
 def test_plan_is_the_exhaustive_optimum_and_beats_every_k(seed):
     n = 14 if seed < 3 else 9  # 2^14 (checkpoint only) or 3^9 (with save_matmuls) assignments
     allow = ("checkpoint",) if seed < 3 else ("checkpoint", "save_matmuls")
-    prof = _synthetic(n, seed)
+    prof = _synthetic(n, seed, shared=seed + 2)
     for fraction in (0.3, 0.5, 0.8):
         budget = prof.param_bytes + int(fraction * prof.peak_above_params)
         optimum = _exhaustive(prof, budget, allow)
@@ -154,15 +165,16 @@ def test_plan_is_the_exhaustive_optimum_and_beats_every_k(seed):
         for k in range(1, n + 1):
             uniform = ["checkpoint" if i % k == 0 else "keep" for i in range(n)]
             if predict_peak(prof, uniform, allow) <= budget:
-                uniform_cost = sum(r.forward_time for r, d in zip(prof.rows, uniform) if d == "checkpoint")
+                uniform_cost = sum(r.checkpoint_time for r, d in zip(prof.rows, uniform) if d == "checkpoint")
                 assert plan.predicted_extra_time <= uniform_cost + 1e-12
 
 
-def test_planning_two_hundred_modules():
+def test_two_hundred_modules_plan_within_budget():
     # How long this takes is measured by benchmarks/planner.py, not asserted here.
-    prof = _synthetic(200, seed=7)
+    prof = _synthetic(200, seed=7, shared=3)
     plan = plan_from_profile(prof, 0.5)
     assert len(plan.decisions) == 200 and plan.predicted_peak <= plan.budget
+    assert plan.predicted_peak == predict_peak(prof, list(plan.decisions.values()))
 
 
 def test_budget_forms_and_errors():
@@ -212,20 +224,102 @@ def test_meta_profiling_needs_meta_tensors():
         remat.profile(model, *inputs, loss_fn=loss_fn, device="meta")
 
 
-def test_predictions_hold_for_every_option_pattern():
+class _MaskedBlock(nn.Module):
+    """Takes a large mask every block shares and none saves, like a Hugging Face attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x, mask):
+        return x + self.down(torch.tanh(self.up(x))) + mask
+
+
+class _MaskedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(5))
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], 32).masked_fill(torch.arange(32) > 20, -1.0)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return x
+
+
+def _masked():
+    torch.manual_seed(0)
+    return _MaskedModel(), (torch.randn(2048, 32),), lambda out: out.pow(2).mean()
+
+
+@pytest.mark.parametrize("build", [_gpt, _conv, _masked], ids=["gpt", "conv-shared-outputs", "shared-mask"])
+def test_predictions_hold_for_every_option_pattern(build):
     import copy
 
-    model, inputs, loss_fn = _gpt()
-    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
+    model, inputs, loss_fn = build()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
     names = [row.name for row in prof.rows]
     n = len(names)
-    patterns = [["keep"] * n, ["checkpoint"] * n, ["save_matmuls"] * n,
-                ["checkpoint"] + ["save_matmuls"] * (n - 1), ["save_matmuls"] * (n - 1) + ["keep"],
-                [("keep", "checkpoint", "save_matmuls")[i % 3] for i in range(n)]]
+    patterns = [["keep"] * n, ["checkpoint"] * n, ["checkpoint"] + ["keep"] * (n - 1), ["keep"] * (n - 1) +
+                ["checkpoint"], [("keep", "checkpoint")[i % 2] for i in range(n)]]
+    if all(row.matmul_bytes for row in prof.rows):
+        patterns += [["save_matmuls"] * n, [("keep", "checkpoint", "save_matmuls")[i % 3] for i in range(n)]]
     for decisions in patterns:
         plan = plan_from_profile(prof, 1.0)
         plan.decisions = dict(zip(names, decisions))
         planned = plan.apply(copy.deepcopy(model))
-        measured = _measure(planned, inputs, loss_fn).peak_total
-        predicted = predict_peak(prof, decisions)
-        assert 0.9 * predicted <= measured <= 1.05 * predicted, (decisions, predicted, measured)
+        measured = _measure(planned, inputs, loss_fn).peak_above_params
+        predicted = predict_peak(prof, decisions) - prof.param_bytes - prof.buffer_bytes
+        # save_matmuls' rerun is priced like a full one: it may hold less (never more), so a gap on the safe side
+        over = 0.12 if "save_matmuls" in decisions else 0.01
+        assert -0.01 * measured <= predicted - measured <= over * measured, (decisions, predicted, measured)
+
+
+def test_a_mask_every_block_takes_is_counted_once():
+    model, inputs, loss_fn = _masked()
+    prof = remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
+    (mask,) = [s for s in prof.shared if s.input_of == [0, 1, 2, 3, 4]]
+    assert mask.nbytes == 2048 * 32 * 4 and not mask.saved_by and not mask.outside
+
+
+def test_the_same_plan_run_after_run():
+    """Five profiles of the demo GPT (small): timings differ, the plans at each budget do not."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=4, d_model=32, n_heads=2, seq_len=64, vocab_size=64, dropout=0.1)
+    model = GPT(cfg)
+    tokens, targets = synthetic_batch(cfg, 4)
+    plans = []
+    for _ in range(5):
+        prof = remat.profile(model, tokens, loss_fn=lambda logits: F.cross_entropy(logits.flatten(0, 1),
+                                                                                  targets.flatten()))
+        plans.append([prof.plan(budget).decisions for budget in (0.45, 0.6, 0.8)])
+    assert all(p == plans[0] for p in plans), plans
+    assert all("checkpoint" in decisions.values() for decisions in plans[0])
+
+
+def test_a_tighter_budget_never_predicts_a_cheaper_plan():
+    prof = _synthetic(12, seed=3, shared=3)
+    times = []
+    for fraction in (1.0, 0.8, 0.6, 0.5, 0.4, 0.3):
+        try:
+            times.append(plan_from_profile(prof, fraction).predicted_extra_time)
+        except InfeasibleBudget:
+            break
+    assert len(times) >= 3 and times == sorted(times)
+
+
+def test_custom_options_plug_into_the_chain():
+    """More options per block (e.g. op-level policies) are a list per block, keep first."""
+    from remat.planner import BlockOption
+
+    prof = _synthetic(6, seed=2)
+    options = block_options(prof, ("checkpoint",))
+    cheap = [choices + [BlockOption("half", kept=row.own_bytes // 2, extra_time=row.checkpoint_time / 4,
+                                    transient=row.recompute_bytes, recomputes=True, wrap=lambda m: m)]
+             for row, choices in zip(prof.rows, options)]
+    budget = int(0.7 * prof.peak_bytes)
+    plan = plan_from_profile(prof, budget, options=cheap)
+    assert plan.predicted_peak <= budget and "half" in plan.decisions.values()
+    assert plan.predicted_extra_time <= plan_from_profile(prof, budget, ("checkpoint",)).predicted_extra_time
+    with pytest.raises(ValueError, match="starting with 'keep'"):
+        plan_from_profile(prof, budget, options=[o[1:] for o in cheap])

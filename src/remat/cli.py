@@ -135,7 +135,7 @@ def _call(fn: Callable[..., Any], what: str, spec: str) -> Any:
         raise UserError(f"{what} {spec!r} raised {type(error).__name__}: {error}") from error
 
 
-def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple]:
+def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple, dict]:
     factory = _load(args.model, "MODULE:FACTORY")
     device = getattr(args, "device", None)
     if device == "meta":
@@ -145,16 +145,20 @@ def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple]
         model = _call(factory, "the factory", args.model)
     if not isinstance(model, torch.nn.Module):
         raise UserError(f"the factory {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")
+    kwargs: dict = {}
     if args.inputs:
         inputs = _call(_load(args.inputs, "--inputs"), "the inputs function", args.inputs)
+        if isinstance(inputs, dict):  # keyword inputs, as a Hugging Face model takes them
+            inputs, kwargs = (), inputs
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if device == "meta":
             inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
+            kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     elif args.input_shape:
         inputs = tuple(torch.randn(*shape, device=device or "cpu") for shape in args.input_shape)
     else:
         raise UserError("give the model's inputs: --input-shape 8,128 (random floats) or --inputs MODULE:FN")
-    return model, inputs
+    return model, inputs, kwargs
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -170,9 +174,9 @@ def _shape(text: str) -> tuple[int, ...]:
 def _profile_of(args: argparse.Namespace):
     from .profile import profile
 
-    model, inputs = _model_and_inputs(args)
+    model, inputs, kwargs = _model_and_inputs(args)
     try:
-        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None))
+        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None), **kwargs)
     except ValueError as error:
         raise UserError(str(error)) from error
     except RuntimeError as error:
@@ -193,15 +197,28 @@ def _profile_cmd(args: argparse.Namespace) -> int:
 def _plan_cmd(args: argparse.Namespace) -> int:
     from .planner import InfeasibleBudget, plan_from_profile
 
-    prof = _profile_of(args)
-    try:
-        plan = plan_from_profile(prof, args.budget, allow=tuple(args.allow))
-    except InfeasibleBudget as error:
-        raise UserError(str(error)) from error
-    print(plan)
-    if args.output:
-        plan.save(args.output)
-        print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
+    if args.output and len(args.budget) > 1:
+        raise UserError("-o writes one plan: give a single --budget with it")
+    prof = _profile_of(args)  # one profile serves every budget
+    made = 0
+    for index, budget in enumerate(args.budget):
+        if len(args.budget) > 1:
+            label = f"{budget:.0%}" if isinstance(budget, float) else budget
+            print(("\n" if index else "") + f"== budget {label} ==")
+        try:
+            plan = plan_from_profile(prof, budget, allow=tuple(args.allow))
+        except InfeasibleBudget as error:
+            if len(args.budget) == 1:
+                raise UserError(str(error)) from error
+            print(f"refused: {error}")
+            continue
+        made += 1
+        print(plan)
+        if args.output:
+            plan.save(args.output)
+            print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
+    if not made:
+        raise UserError("no budget could be met; the messages above give the smallest peak any plan reaches")
     return 0
 
 
@@ -227,6 +244,8 @@ _EXAMPLES = {
     "plan": """examples:
   remat plan mypkg.models:build_model --input-shape 8,128 --budget 50%
   remat plan mypkg.models:build_model --inputs mypkg.data:example_batch --budget 8GiB -o plan.json
+  remat plan mypkg.models:build_model --inputs mypkg.data:example_batch --budget 30% 50% 70%   # one profile
+  (--inputs may return a tuple of positional inputs or a dict of keyword inputs, e.g. input_ids and labels)
 """,
     "bench": """examples:
   remat bench                              # every case: tiny, gpt, conv, wide
@@ -239,7 +258,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODULE:FACTORY", help="a function (or class) that returns the model")
     parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
                         help="one random float input of this shape (repeat for several inputs)")
-    parser.add_argument("--inputs", metavar="MODULE:FN", help="a function returning the input (or a tuple of them)")
+    parser.add_argument("--inputs", metavar="MODULE:FN",
+                        help="a function returning the input, a tuple of inputs, or a dict of keyword inputs")
     parser.add_argument("--modules", nargs="+", metavar="NAME",
                         help="candidate modules by qualified name (default: the repeated blocks)")
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
@@ -288,9 +308,9 @@ def _parser() -> argparse.ArgumentParser:
                    "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / offload "
                    "per block) with the least recomputation whose predicted peak fits --budget.")
     _add_model_arguments(plan)
-    plan.add_argument("--budget", type=_budget, required=True,
+    plan.add_argument("--budget", type=_budget, required=True, nargs="+",
                       help="whole-step peak as a size (8GiB, 512MB) or a fraction of the unplanned peak above "
-                           "parameters (0.5 or 50%%)")
+                           "parameters (0.5 or 50%%); several budgets are planned from one profile")
     plan.add_argument("--allow", nargs="+", default=["checkpoint", "save_matmuls", "offload"],
                       choices=["checkpoint", "save_matmuls", "offload"], help="options the plan may use")
     plan.add_argument("-o", "--output", help="write the plan as JSON")

@@ -150,15 +150,14 @@ def run_demo(
 
 
 def kept_by_block(prof: Profile, decisions: list[str]) -> list[int]:
-    """Bytes each block keeps through the step under the given decisions (from the profile)."""
+    """Bytes each block keeps through the step under the given decisions (from the profile's options)."""
+    from .planner import block_options
+
+    options = block_options(prof, ("checkpoint", "save_matmuls"))
     kept = []
-    for row, decision in zip(prof.rows, decisions):
-        if decision == "keep":
-            kept.append(row.act_bytes)
-        elif decision == "save_matmuls":
-            kept.append(row.kept_if_checkpointed + row.matmul_bytes)
-        else:
-            kept.append(row.kept_if_checkpointed)
+    for row, choices, decision in zip(prof.rows, options, decisions):
+        option = next(o for o in choices if o.name == decision)
+        kept.append(option.kept + (row.act_bytes - row.own_bytes if decision == "keep" else 0))
     return kept
 
 

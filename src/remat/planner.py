@@ -1,32 +1,37 @@
 """The cheapest checkpointing plan that fits a memory budget.
 
-Cost model (from a :class:`~remat.profile.Profile` of one step without
-checkpointing).  For block ``j`` each option keeps ``s_j`` bytes through the
-step and costs ``c_j`` seconds:
+Cost model (from a :class:`~remat.profile.Profile` of one step without checkpointing).  Each block has a
+list of :class:`BlockOption`; each option keeps some of the block's own bytes from its forward to its
+backward, costs extra time, and (if it recomputes) keeps the block's inputs and raises the block's backward
+by its recomputation's transient bytes:
 
-=================  =================================  ==============================
-option             kept (``s_j``)                     extra time (``c_j``)
-=================  =================================  ==============================
-``keep``           its activations ``A_j``            0
-``checkpoint``     its inputs                         its forward time
-``save_matmuls``   its inputs + matmul outputs        forward time − matmul time
-``offload``        its inputs (activations on host)   copy time (accelerators only)
-=================  =================================  ==============================
+=================  ===========================================  ===========================================
+option             kept own bytes                               extra time
+=================  ===========================================  ===========================================
+``keep``           the block's own saved bytes                  0
+``checkpoint``     its own inputs                               measured: recompute + wrapper overhead
+``save_matmuls``   its own inputs + matmul outputs              measured: recompute without matmuls +
+                                                                the policy's dispatch overhead
+``offload``        its own inputs (activations on host)         copy time (accelerators only)
+=================  ===========================================  ===========================================
 
-Every segment of the measured timeline (a block's forward or backward, the
-stretches between) had peak ``P``; with a plan it becomes
-``P − Σ_{j before it} (A_j − s_j)``, plus the recomputation's temporaries in
-the backward of a block that is not kept.  The plan's peak is the largest
-segment.  Because every constraint is on a prefix of the chain, a dynamic
-program over the blocks that keeps the Pareto front of (memory saved so far,
-time spent so far) finds the exact optimum of this model.
+Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
+``P``; with a plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each
+*shared* storage whose life the plan changes (a mask every layer takes is held once, until the backward
+of the earliest recomputing layer that takes it).  A recomputing block's backward must also fit its
+recomputation: the live bytes at its start, without the block's freed bytes, plus the transient.  The
+plan's peak is the largest segment.  Every constraint is on a prefix of the chain, so a dynamic program
+over the blocks keeping the Pareto front of (own bytes freed so far, time spent so far) for each set of
+shared storages still held finds the exact optimum of this model.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
+import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -38,7 +43,7 @@ from .policies import save_matmuls
 from .profile import Profile
 from .profile import profile as run_profile
 
-__all__ = ["InfeasibleBudget", "Plan", "plan", "plan_from_profile", "predict_peak"]
+__all__ = ["BlockOption", "InfeasibleBudget", "Plan", "block_options", "plan", "plan_from_profile", "predict_peak"]
 
 OPTIONS = ("keep", "checkpoint", "save_matmuls", "offload")
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice
@@ -74,112 +79,227 @@ class InfeasibleBudget(ValueError):
         )
 
 
-@dataclass
-class _Option:
+@dataclass(frozen=True)
+class BlockOption:
+    """One way to run a block in the plan.
+
+    ``kept``: bytes of the block's own storages (see :class:`~remat.profile.ModuleProfile`) alive from its
+    forward to its backward.  ``recomputes``: the block is checkpointed, so it holds its inputs until its
+    backward and reruns there, raising that backward by ``transient`` bytes above the live bytes at its
+    start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
+    the built-in options, installed by name).
+
+    Example:
+        >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
+        ...             transient=row.recompute_bytes, recomputes=True)
+    """
+
+    name: str
     kept: int
-    cost: float
-    transient: int
+    extra_time: float = 0.0
+    transient: int = 0
+    recomputes: bool = False
+    wrap: Callable[[nn.Module], nn.Module] | None = field(default=None, compare=False)
 
 
-def _options(prof: Profile, allow: Sequence[str]) -> list[dict[str, _Option]]:
+def block_options(prof: Profile, allow: Sequence[str] = OPTIONS[1:]) -> list[list[BlockOption]]:
+    """The options of every block (``keep`` first), as the planner sees them.
+
+    Example:
+        >>> [o.name for o in block_options(prof)[0]]
+        ['keep', 'checkpoint', 'save_matmuls']
+    """
     unknown = set(allow) - set(OPTIONS[1:])
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(OPTIONS[1:])}.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
     per_block = []
     for row in prof.rows:
-        transient = max(row.recompute_extra, 0)
-        choices = {"keep": _Option(row.act_bytes, 0.0, 0)}
-        if "checkpoint" in allow:
-            choices["checkpoint"] = _Option(row.kept_if_checkpointed, row.forward_time, transient)
-        if "save_matmuls" in allow and row.matmul_bytes:
-            choices["save_matmuls"] = _Option(
-                row.kept_if_checkpointed + row.matmul_bytes,
-                max(row.forward_time - row.matmul_time, 0.0),
-                transient + row.matmul_unsaved_bytes,
-            )
+        choices = [BlockOption("keep", row.own_bytes)]
+        if "checkpoint" in allow and row.checkpoint_time != float("inf"):
+            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
+        if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
+            choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
+                                       row.recompute_bytes + row.matmul_unsaved_bytes, True))
         if "offload" in allow and on_accelerator:
-            copy_time = 2 * row.act_bytes / _OFFLOAD_BYTES_PER_SECOND
-            choices["offload"] = _Option(row.kept_if_checkpointed, copy_time, 0)
+            copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
+            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))
         per_block.append(choices)
     return per_block
 
 
-def _needs(prof: Profile, budget: int) -> tuple[list[int], list[int]]:
-    """Per prefix p: savings needed before p for the segments after p, without and with block p recomputing."""
-    n = len(prof.rows)
-    plain = [-(2**62)] * (n + 1)
-    own = [-(2**62)] * (n + 1)
-    for seg in prof.segments:
-        need = seg.peak - budget
-        plain[seg.prefix] = max(plain[seg.prefix], need)
-        if seg.block is not None:
-            own[seg.block] = max(own[seg.block], need)
-    return plain, own
+class _Accounting:
+    """The segment constraints of a profile, arranged for the chain DP.
+
+    Shared storage ``s`` is bit ``s`` of a mask: set when a block already decided holds it (a kept block
+    that saves it, a recomputing block that takes it).  Each check is ``base - freed + shared(mask)`` where
+    ``shared`` is a constant plus the bytes of the varying storages whose bit is set.
+    """
+
+    def __init__(self, prof: Profile) -> None:
+        n = len(prof.rows)
+        self.n = n
+        self.shared = prof.shared
+        holders = [set(s.saved_by) | set(s.input_of) for s in prof.shared]
+        self.saves = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.saved_by) for j in range(n)]
+        self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
+        # checks[p]: (base, const, varying) for the segments evaluated with the decisions of blocks < p
+        self.checks: list[list[tuple[int, int, list[tuple[int, int]]]]] = [[] for _ in range(n + 1)]
+        self.backward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's peak
+        self.restart: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's start
+        last_use = [-1] * len(prof.shared)
+        previous = None
+        for t, seg in enumerate(prof.segments):
+            q = seg.block
+            bound = seg.prefix + (1 if q is not None else 0)  # holders that count: blocks < bound
+            const, varying = 0, []
+            for k, s in enumerate(prof.shared):
+                if not any(j < bound for j in holders[k]):
+                    continue
+                if not seg.backward:  # forward: a plan can only lengthen a life (callers hold the rest)
+                    if not s.alive[t]:
+                        varying.append((1 << k, s.nbytes))
+                    continue
+                in_base = any(j < bound for j in s.saved_by)
+                if s.alive[t] and (s.outside or not in_base):
+                    continue  # alive whatever the plan
+                const -= s.nbytes if in_base else 0
+                varying.append((1 << k, s.nbytes))
+            for bit, _ in varying:
+                last_use[bit.bit_length() - 1] = max(last_use[bit.bit_length() - 1], seg.prefix)
+            if q is None:
+                self.checks[seg.prefix].append((seg.peak, const, varying))
+            else:
+                self.backward[q] = (seg.peak, const, varying)
+                self.restart[q] = (seg.start, *self._start_terms(prof, previous, q, holders))
+                for bit, _ in self.restart[q][2]:
+                    last_use[bit.bit_length() - 1] = max(last_use[bit.bit_length() - 1], q)
+            previous = t
+        # after deciding block p, bits no later check reads are dropped so equal futures merge
+        self.keep_bits = [sum(1 << k for k, last in enumerate(last_use) if last > p) for p in range(n)]
+
+    def _start_terms(self, prof: Profile, previous: int | None, q: int, holders: list[set[int]]
+                     ) -> tuple[int, list[tuple[int, int]]]:
+        """Shared terms at the start of block q's backward: alive as at the end of the segment before it."""
+        const, varying = 0, []
+        for k, s in enumerate(prof.shared):
+            if not any(j <= q for j in holders[k]):
+                continue
+            in_base = any(j <= q for j in s.saved_by)
+            alive = s.alive[previous] if previous is not None else False
+            if alive and (s.outside or not in_base):
+                continue
+            const -= s.nbytes if in_base else 0
+            varying.append((1 << k, s.nbytes))
+        return const, varying
+
+    def holds(self, q: int, option: BlockOption) -> int:
+        """The shared storages block q holds after its forward under ``option``."""
+        return self.takes[q] if option.recomputes else self.saves[q]
+
+    @staticmethod
+    def value(check: tuple[int, int, list[tuple[int, int]]], freed: int, mask: int) -> int:
+        base, const, varying = check
+        return base - freed + const + sum(nbytes for bit, nbytes in varying if mask & bit)
+
+    def own_peak(self, q: int, option: BlockOption, own_bytes: int, freed: int, mask: int) -> int:
+        """The peak of block q's backward under ``option`` (its recomputation included)."""
+        peak = self.value(self.backward[q], freed, mask | self.saves[q] | self.holds(q, option))
+        if option.recomputes:
+            start = self.value(self.restart[q], freed, mask | self.takes[q])
+            peak = max(peak, start - (own_bytes - option.kept) + option.transient)
+        return peak
 
 
-def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] = OPTIONS[1:]) -> int:
-    """The cost model's whole-step peak for one decision per block (in profile order).
+def _resolve_options(prof: Profile, allow: Sequence[str], options: list[list[BlockOption]] | None
+                     ) -> list[list[BlockOption]]:
+    if options is None:
+        return block_options(prof, allow)
+    if len(options) != len(prof.rows) or any(not o or o[0].name != "keep" for o in options):
+        raise ValueError("remat.plan: options must hold one list per profiled block, each starting with 'keep'.")
+    return options
+
+
+def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] = OPTIONS[1:],
+                 options: list[list[BlockOption]] | None = None) -> int:
+    """The cost model's whole-step peak for one decision (an option name) per block, in profile order.
 
     Example:
         >>> predict_peak(prof, ["keep"] * len(prof.rows)) == prof.peak_bytes
         True
     """
-    options = _options(prof, allow)
-    saved_before = [0]
-    for row, choice, decision in zip(prof.rows, options, decisions):
-        saved_before.append(saved_before[-1] + row.act_bytes - choice[decision].kept)
-    peak = 0
-    for seg in prof.segments:
-        value = seg.peak - saved_before[seg.prefix]
-        if seg.block is not None and decisions[seg.block] != "keep":
-            value += options[seg.block][decisions[seg.block]].transient
-        peak = max(peak, value)
+    options = _resolve_options(prof, allow, options)
+    chosen = []
+    for row, choices, name in zip(prof.rows, options, decisions):
+        match = [o for o in choices if o.name == name]
+        if not match:
+            raise ValueError(f"remat.plan: {name!r} is not an option of {row.name}; it has "
+                             f"{[o.name for o in choices]}.")
+        chosen.append(match[0])
+    accounting = _Accounting(prof)
+    peak, freed, mask = 0, 0, 0
+    for p in range(accounting.n + 1):
+        for check in accounting.checks[p]:
+            peak = max(peak, accounting.value(check, freed, mask))
+        if p == accounting.n:
+            break
+        option, own_bytes = chosen[p], prof.rows[p].own_bytes
+        peak = max(peak, accounting.own_peak(p, option, own_bytes, freed, mask))
+        freed += own_bytes - option.kept
+        mask |= accounting.holds(p, option)
     return peak
 
 
-def _solve(prof: Profile, budget: int, options: list[dict[str, _Option]]) -> list[str] | None:
-    """Exact DP: Pareto front of (saved bytes, time) over the chain; None if nothing fits."""
-    plain, own = _needs(prof, budget)
-    n = len(options)
-    deltas = [[prof.rows[p].act_bytes - o.kept for o in choices.values()] for p, choices in enumerate(options)]
-    # Savings above cap[p] cannot help any later segment (even if every later block gave memory
-    # back), so all such states are equivalent: clamping them to the cap keeps the DP exact.
-    worst = max((t.transient for choices in options for t in choices.values()), default=0)
-    cap = [0] * (n + 1)
-    cap[n] = plain[n]
-    for p in range(n - 1, -1, -1):
-        give_back = max(0, -min(deltas[p]))
-        cap[p] = max(plain[p], own[p] + worst, cap[p + 1] + give_back)
-    # states are (time, -saved, tiebreak, trail of decisions): plain tuples sort fastest
-    front: list[tuple[float, int, int, Any]] = [(0.0, 0, 0, None)]
-    for p, choices in enumerate(options):
-        act = prof.rows[p].act_bytes
-        need_plain, need_own, limit = plain[p], own[p], cap[p + 1]
-        items = [(name, o.cost, act - o.kept, need_own + (o.transient if name != "keep" else 0))
-                 for name, o in choices.items()]
-        candidates = []
-        for time_spent, neg_saved, _, trail in front:
-            saved = -neg_saved
-            if saved < need_plain:
-                continue
-            for name, cost, delta, need in items:
-                if saved >= need:
-                    candidates.append((time_spent + cost, -min(saved + delta, limit), len(candidates), (name, trail)))
-        if not candidates:
-            return None
-        # keep the states that no other state beats on both time and savings
-        candidates.sort()
-        front = []
-        best = float("inf")
-        for state in candidates:
-            if state[1] < best:
-                front.append(state)
-                best = state[1]
-    feasible = [state for state in front if -state[1] >= plain[n]]
-    if not feasible:
+def _solve(prof: Profile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
+           ) -> list[int] | None:
+    """Exact DP over the chain; the index of each block's option, or None if nothing fits.
+
+    For each mask of shared storages still held, the states no other state beats on both time and own
+    bytes freed; ties are broken by the order the options are listed, so equal costs give equal plans.
+    """
+    accounting = _Accounting(prof)
+    n = accounting.n
+    cap = _caps(prof, budget, options, accounting)
+    fronts: dict[int, list[tuple[float, int, Any]]] = {0: [(0.0, 0, None)]}  # mask -> [(time, -freed, trail)]
+    for p in range(n + 1):
+        # every check is linear in the bytes freed so far: each needs a least amount, per mask
+        checks = accounting.checks[p]
+        survivors: dict[int, list[tuple[float, int, Any]]] = {}
+        for mask, front in fronts.items():
+            need = max((accounting.value(c, 0, mask) - budget for c in checks), default=-(2**62))
+            kept = [s for s in front if -s[1] >= need]
+            if kept:
+                survivors[mask] = kept
+        if p == n:
+            fronts = survivors
+            break
+        row = prof.rows[p]
+        candidates: dict[int, list[tuple[float, int, Any]]] = {}
+        for mask, front in survivors.items():
+            for index, option in enumerate(options[p]):
+                new_mask = (mask | accounting.holds(p, option)) & accounting.keep_bits[p]
+                need = accounting.own_peak(p, option, row.own_bytes, 0, mask) - budget
+                cost = option.extra_time if with_cost else 0.0
+                delta, limit = row.own_bytes - option.kept, cap[p + 1]
+                # the front frees more the later a state comes: the states that pass are a tail of it
+                first = bisect.bisect_left(front, need, key=_freed)
+                candidates.setdefault(new_mask, []).extend(
+                    (time_spent + cost, -min(delta - neg_freed, limit), (index, trail))
+                    for time_spent, neg_freed, trail in front[first:]
+                )
+        fronts = {}
+        for mask, bucket in _merge_masks(candidates).items():
+            bucket.sort(key=_time_then_freed)  # stable: ties keep the order states and options are listed
+            front, best = [], None
+            for time_spent, neg_freed, trail in bucket:
+                if best is None or neg_freed < best:
+                    front.append((time_spent, neg_freed, trail))
+                    best = neg_freed
+            fronts[mask] = front
+    finals = [state for front in fronts.values() for state in front]
+    if not finals:
         return None
-    trail = feasible[0][3]  # the front is sorted by time
+    trail = min(finals, key=lambda s: (s[0], s[1]))[2]
     decisions = []
     while trail is not None:
         decisions.append(trail[0])
@@ -187,34 +307,66 @@ def _solve(prof: Profile, budget: int, options: list[dict[str, _Option]]) -> lis
     return decisions[::-1]
 
 
-def _smallest_peak(prof: Profile, options: list[dict[str, _Option]]) -> int:
-    """The lowest peak any plan reaches: maximizing savings at every step is optimal for feasibility."""
+_MAX_MASKS = 8
+
+
+def _merge_masks(groups: dict[int, list]) -> dict[int, list]:
+    """At most ``_MAX_MASKS`` groups: neighbours merge under the union of their masks.
+
+    A set bit only adds bytes, so a merged group is judged on the safe side: with many shared storages
+    open at once the plan stays within budget but may be a little dearer than the optimum.
+    """
+    while len(groups) > _MAX_MASKS:
+        masks = sorted(groups)
+        merged: dict[int, list] = {}
+        for a, b in zip(masks[::2], masks[1::2] + [None]):
+            union = a if b is None else a | b
+            merged.setdefault(union, []).extend(groups[a] + (groups[b] if b is not None else []))
+        groups = merged
+    return groups
+
+
+def _freed(state: tuple[float, int, Any]) -> int:
+    return -state[1]
+
+
+_time_then_freed = operator.itemgetter(0, 1)
+
+
+def _caps(prof: Profile, budget: int, options: list[list[BlockOption]], accounting: _Accounting) -> list[int]:
+    """cap[p]: freeing more than this before block p helps no later check, whatever the plan does next.
+
+    States above the cap are equivalent, so the DP clamps them to it: the front stays small and the
+    optimum exact.
+    """
+    def bound(check: tuple[int, int, list[tuple[int, int]]]) -> int:
+        base, const, varying = check
+        return base + const + sum(nbytes for _, nbytes in varying) - budget
+
+    n = accounting.n
+    cap = [0] * (n + 1)
+    cap[n] = max((bound(c) for c in accounting.checks[n]), default=0)
+    for p in range(n - 1, -1, -1):
+        own = prof.rows[p].own_bytes
+        need = max([bound(c) for c in accounting.checks[p]] + [bound(accounting.backward[p])])
+        recomputing = [o for o in options[p] if o.recomputes]
+        if recomputing:
+            need = max(need, bound(accounting.restart[p]) + max(o.kept - own + o.transient for o in recomputing))
+        give_back = max(0, max(o.kept - own for o in options[p]))
+        cap[p] = max(need, cap[p + 1] + give_back, 0)
+    return cap
+
+
+def _smallest_peak(prof: Profile, options: list[list[BlockOption]]) -> int:
+    """The lowest peak any plan reaches (a bisection on the budget; feasibility ignores time)."""
     low, high = 0, prof.peak_bytes
     while low < high:
         middle = (low + high) // 2
-        if _feasible(prof, middle, options):
+        if _solve(prof, middle, options, with_cost=False) is not None:
             high = middle
         else:
             low = middle + 1
     return low
-
-
-def _feasible(prof: Profile, budget: int, options: list[dict[str, _Option]]) -> bool:
-    plain, own = _needs(prof, budget)
-    saved = 0
-    for p, choices in enumerate(options):
-        if saved < plain[p]:
-            return False
-        act = prof.rows[p].act_bytes
-        valid = [
-            saved + act - o.kept
-            for name, o in choices.items()
-            if saved >= own[p] + (o.transient if name != "keep" else 0)
-        ]
-        if not valid:
-            return False
-        saved = max(valid)
-    return saved >= plain[len(options)]
 
 
 def _resolve_budget(prof: Profile, budget: int | float | str) -> int:
@@ -231,25 +383,40 @@ def _resolve_budget(prof: Profile, budget: int | float | str) -> int:
 
 
 def plan_from_profile(
-    prof: Profile, budget: int | float | str, allow: Sequence[str] = ("checkpoint", "save_matmuls", "offload")
+    prof: Profile,
+    budget: int | float | str,
+    allow: Sequence[str] = ("checkpoint", "save_matmuls", "offload"),
+    options: list[list[BlockOption]] | None = None,
 ) -> Plan:
-    """Solve the plan for an existing profile (see :func:`plan`)."""
+    """Solve the plan for an existing profile (see :func:`plan`); ``prof.plan(budget)`` is the same call.
+
+    ``options`` replaces the built-in options (:func:`block_options`) with your own, one list per block
+    starting with ``keep``.
+
+    Example:
+        >>> prof = remat.profile(model, input_ids=ids, labels=ids)
+        >>> for budget in (0.3, 0.5, 0.7):
+        ...     print(plan_from_profile(prof, budget))
+    """
     budget_bytes = _resolve_budget(prof, budget)
-    options = _options(prof, allow)
-    decisions = _solve(prof, budget_bytes, options)
-    if decisions is None:
+    options = _resolve_options(prof, allow, options)
+    indices = _solve(prof, budget_bytes, options)
+    if indices is None:
         raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options), prof.param_bytes + prof.buffer_bytes,
                               prof.peak_above_params, budget)
-    extra = sum(options[i][d].cost for i, d in enumerate(decisions))
-    return Plan(
-        decisions={row.name: d for row, d in zip(prof.rows, decisions)},
-        predicted_peak=predict_peak(prof, decisions, allow),
-        predicted_extra_time=extra,
+    chosen = [choices[i] for choices, i in zip(options, indices)]
+    names = [o.name for o in chosen]
+    result = Plan(
+        decisions={row.name: name for row, name in zip(prof.rows, names)},
+        predicted_peak=predict_peak(prof, names, allow, options),
+        predicted_extra_time=sum(o.extra_time for o in chosen),
         budget=budget_bytes,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
         step_time=prof.step_time,
     )
+    result._wrappers = {o.name: o.wrap for o in chosen if o.wrap is not None}
+    return result
 
 
 def plan(
@@ -259,22 +426,23 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     allow: Sequence[str] = ("checkpoint", "save_matmuls", "offload"),
     modules: Sequence[str] | None = None,
+    **example_kwargs: Any,
 ) -> Plan:
-    """Profile ``model`` for one step and return the cheapest :class:`Plan` whose peak fits ``budget``.
+    """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
 
-    ``budget``: bytes, a size string (``"8GiB"``, ``"512MB"``) for the whole
-    peak, or a fraction (``0.5``) of the unplanned step's peak above the
-    parameters.  ``offload`` is only considered on an accelerator.
+    ``budget``: bytes, a size string (``"8GiB"``, ``"512MB"``) for the whole peak, or a fraction (``0.5``)
+    of the unplanned step's peak above the parameters.  ``offload`` is only considered on an accelerator.
+    For several budgets, profile once and call ``prof.plan(budget)`` for each.
 
     Example:
-        >>> p = remat.plan(model, tokens, budget=0.5, loss_fn=loss_fn)
+        >>> p = remat.plan(model, input_ids=ids, labels=ids, budget=0.5)   # Hugging Face: .loss is the loss
         >>> print(p)
         >>> p.apply(model)
     """
     if any(isinstance(m, ActivationWrapper) for m in model.modules()):
         raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
                          "(plan.remove(model)) so the profile sees the step without checkpointing.")
-    prof = run_profile(model, *example_inputs, loss_fn=loss_fn, modules=modules)
+    prof = run_profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, **example_kwargs)
     return plan_from_profile(prof, budget, allow)
 
 
@@ -291,6 +459,9 @@ class Plan:
     step_time: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # installers of custom options
+
     def apply(self, model: nn.Module) -> nn.Module:
         """Wrap the planned modules in place (idempotent; a changed plan re-wraps). Returns ``model``."""
         for name, decision in self.decisions.items():
@@ -302,8 +473,12 @@ class Plan:
             if decision == "keep":
                 setattr(parent, child, inner)
                 continue
+            wrap = self._wrappers.get(decision) or _WRAPPERS.get(decision)
+            if wrap is None:
+                raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
+                                 "JSON knows only the built-in options; rebuild it from the profile and options.")
             inner._remat_path = name
-            wrapper = _WRAPPERS[decision](inner)
+            wrapper = wrap(inner)
             wrapper._remat_decision = decision
             setattr(parent, child, wrapper)
         return model
@@ -319,7 +494,7 @@ class Plan:
     def save(self, path: str) -> None:
         """Write the plan as JSON keyed by module qualified names."""
         with open(path, "w") as f:
-            json.dump(self.__dict__, f, indent=2)
+            json.dump({f.name: getattr(self, f.name) for f in fields(self)}, f, indent=2)
 
     @classmethod
     def load(cls, path: str) -> Plan:
@@ -328,7 +503,9 @@ class Plan:
             return cls(**json.load(f))
 
     def __str__(self) -> str:
-        counts = {option: list(self.decisions.values()).count(option) for option in OPTIONS}
+        counts: dict[str, int] = {}
+        for decision in self.decisions.values():
+            counts[decision] = counts.get(decision, 0) + 1
         width = max([len(n) for n in self.decisions] + [6])
         lines = [f"{'module':<{width}}  decision", "-" * (width + 14)]
         lines += [f"{name:<{width}}  {decision}" for name, decision in self.decisions.items()]

@@ -1,0 +1,118 @@
+"""Finding the natural repeated block of a model: the unit the planner decides about.
+
+A model's blocks sit in containers (``nn.ModuleList`` / ``nn.Sequential``), sometimes in containers of
+containers (timm's EfficientNet stages), sometimes inside stage modules that hold a chain of them (ConvNeXt,
+Swin), sometimes beside a stem and a head in the same container (MobileNet).  Discovery:
+
+1. looks at every container's *units*: its children, with plain ``nn.Sequential`` / ``nn.ModuleList``
+   children opened when that shows repeated blocks below them;
+2. accepts a container whose units are mostly (more than half, at least two) of one class, and takes
+   those units, plus other units that are blocks in their own right (their own ``forward``), not a stem or
+   head that is a bare sequence of layers;
+3. prefers the finest level: when the accepted blocks each hold a chain (an ``nn.Sequential``) of blocks
+   with their own ``forward``, it takes those instead (a ConvNeXt stage's blocks, not the stage).  A
+   ``ModuleList`` inside a block is not a chain (mixture-of-experts' experts run side by side), and a
+   ``Sequential`` of conv/norm/activation layers is a layer, not a block (MobileNet's inner convolutions).
+
+Example:
+    >>> [name for name, _ in candidate_modules(remat.models.GPT())]
+    ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+__all__ = ["candidate_modules"]
+
+Named = list[tuple[str, nn.Module]]
+
+
+def candidate_modules(model: nn.Module) -> Named:
+    """The natural repeated blocks of ``model``, in the order of its modules.
+
+    Example:
+        >>> [name for name, _ in candidate_modules(torchvision.models.resnet18())][:2]
+        ['layer1.0', 'layer1.1']
+    """
+    found: Named = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in taken) or not _is_container(module):
+            continue
+        _, members = _repeated(_units(name, module))
+        if members:
+            found.extend(_finest(members))
+            taken.append(f"{name}." if name else "")
+    return found
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential))
+
+
+def _is_plain(module: nn.Module) -> bool:
+    """A container with no forward of its own: ModuleList, or a Sequential (subclass) that just chains."""
+    return isinstance(module, nn.ModuleList) or (
+        isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+    )
+
+
+def _has_own_forward(module: nn.Module) -> bool:
+    return not _is_plain(module) and next(module.children(), None) is not None
+
+
+def _join(prefix: str, child: str) -> str:
+    return f"{prefix}.{child}" if prefix else child
+
+
+def _units(prefix: str, container: nn.Module) -> Named:
+    """The container's children, with plain containers among them opened when that exposes blocks."""
+    children = [(_join(prefix, n), c) for n, c in container.named_children()]
+    opened: Named = []
+    for name, child in children:
+        if type(child) in (nn.Sequential, nn.ModuleList) and any(_has_own_forward(c) for c in child.children()):
+            opened.extend(_units(name, child))
+        else:
+            opened.append((name, child))
+    return opened
+
+
+def _repeated(units: Named) -> tuple[type | None, Named]:
+    """The class most of ``units`` share and the blocks among them; (None, []) if no class is a majority."""
+    with_children = [(n, m) for n, m in units if next(m.children(), None) is not None]
+    if len(with_children) < 2:
+        return None, []
+    cls, count = Counter(type(m) for _, m in with_children).most_common(1)[0]
+    if count < 2 or 2 * count <= len(units):
+        return None, []
+    return cls, [(n, m) for n, m in with_children if type(m) is cls or _has_own_forward(m)]
+
+
+def _finest(members: Named) -> Named:
+    """Blocks one level down when every member chains blocks of its own, else the members themselves."""
+    inner: Named = []
+    for name, member in members:
+        chained: Named = []
+        for chain_name, chain in _chains(name, member):
+            cls, blocks = _repeated(_units(chain_name, chain))
+            if cls is None:
+                # a chain of a single block, or of distinct ones: its blocks with a forward of their own
+                blocks = [b for b in _units(chain_name, chain) if _has_own_forward(b[1])]
+            elif not _has_own_forward(blocks[0][1]):
+                blocks = []  # a Sequential of layers (conv, norm, activation) is a layer, not a block
+            chained.extend(blocks)
+        if not chained:
+            return members
+        inner.extend(chained)
+    return _finest(inner) if len(inner) > len(members) else members
+
+
+def _chains(prefix: str, module: nn.Module) -> Named:
+    """The plain ``nn.Sequential`` chains directly under ``module`` (itself, if it is one)."""
+    if isinstance(module, nn.Sequential) and _is_plain(module):
+        return [(prefix, module)]
+    return [(_join(prefix, n), c) for n, c in module.named_children()
+            if isinstance(c, nn.Sequential) and _is_plain(c)]
