@@ -60,6 +60,12 @@ def _is_plain(module: nn.Module) -> bool:
     )
 
 
+def _may_be_block(module: nn.Module) -> bool:
+    """Modules with children, or written by the user: a Linear or a ReLU alone is a layer, but a block may
+    hold its parameters directly (or none: a chain of elementwise ops) and still be the unit to decide about."""
+    return next(module.children(), None) is not None or not type(module).__module__.startswith("torch.nn.")
+
+
 def _has_own_forward(module: nn.Module) -> bool:
     return not _is_plain(module) and next(module.children(), None) is not None
 
@@ -82,7 +88,7 @@ def _units(prefix: str, container: nn.Module) -> Named:
 
 def _repeated(units: Named) -> tuple[type | None, Named]:
     """The class most of ``units`` share and the blocks among them; (None, []) if no class is a majority."""
-    with_children = [(n, m) for n, m in units if next(m.children(), None) is not None]
+    with_children = [(n, m) for n, m in units if _may_be_block(m)]
     if len(with_children) < 2:
         return None, []
     cls, count = Counter(type(m) for _, m in with_children).most_common(1)[0]
