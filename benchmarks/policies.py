@@ -21,7 +21,10 @@ random float input) and ``demo`` (the ``remat demo`` defaults: ``remat.models.GP
 Each round times one training step (zero grads, forward, backward) of every variant, the order rotated
 round to round so machine noise hits all alike; warm-up rounds are excluded.  Time ratios are taken within
 a round (variant / torch-sac, and variant / plain) and reported as the median with the interquartile range.
-Peaks are MemTracker's whole-step peak minus parameters and buffers (exact bytes), measured once.
+The clock is the process's CPU time by default (``--clock cpu``): with one torch thread it is the step's
+own work, and unlike wall time it does not count the time other processes on a shared machine hold the
+cores; ``--clock wall`` measures wall time.  Peaks are MemTracker's whole-step peak minus parameters and
+buffers (exact bytes), measured once.
 """
 
 from __future__ import annotations
@@ -136,7 +139,10 @@ def _quartiles(samples: list[float]) -> tuple[float, float, float]:
     return q1, statistics.median(samples), q3
 
 
-def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: bool) -> dict:
+_CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: bool, clock: str = "cpu") -> dict:
     """Time and measure every variant on one model; optionally check gradients against plain autograd."""
     base, loss, description = _models()[name]()
     models = {v: _prepare(base, "blocks", v) for v in variants}
@@ -149,13 +155,14 @@ def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: 
                 reference = found
             elif any(not torch.equal(a, b) for a, b in zip(reference, found)):
                 raise AssertionError(f"{name}: {v}'s gradients differ from {variants[0]}'s")
+    now = _CLOCKS[clock]
     times: dict[str, list[float]] = {v: [] for v in variants}
     for round_index in range(warmup + repeats):
         shift = round_index % len(variants)
         for v in variants[shift:] + variants[:shift]:
-            start = time.perf_counter()
+            start = now()
             _step(models[v], loss, seed=round_index)
-            elapsed = time.perf_counter() - start
+            elapsed = now() - start
             if round_index >= warmup:
                 times[v].append(elapsed)
     result = {"description": description, "variants": {}}
@@ -200,17 +207,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=list(_CLOCKS), default="cpu", help="cpu (process CPU time) or wall")
     parser.add_argument("--no-check", action="store_true", help="skip the gradient equality check")
     parser.add_argument("--json", default="policies_results.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = f"{platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), " \
               f"python {platform.python_version()}"
-    results = {"machine": machine, "repeats": args.repeats, "models": {}}
+    results = {"machine": machine, "repeats": args.repeats, "clock": args.clock, "models": {}}
     for name in args.models:
         results["models"][name] = run_model(name, list(args.variants), args.repeats, args.warmup,
-                                            check=not args.no_check)
-    print(f"{machine}; {args.repeats} interleaved rounds; ratios: median [interquartile range] of per-round ratios")
+                                            check=not args.no_check, clock=args.clock)
+    print(f"{machine}; {args.clock} time, {args.repeats} interleaved rounds; "
+          "ratios: median [interquartile range] of per-round ratios")
     print(format_table(results))
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
