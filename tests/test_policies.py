@@ -393,3 +393,19 @@ def test_kept_outputs_are_released_once_served_peak_at_most_torchs():
         torch.manual_seed(1)
         peaks[name] = remat.measure_step(lambda m=model: m.loss(tokens, targets).backward(), model).peak_above_params
     assert peaks["remat"] <= peaks["torch"], peaks
+
+
+def test_a_policy_subclass_with_its_own_call_is_asked_per_call():
+    asked = []
+
+    class Logging(remat.policies.Policy):
+        def __call__(self, ctx, op, *args, **kwargs):
+            asked.append(op)
+            return super().__call__(ctx, op, *args, **kwargs)
+
+    x, w1, w2 = (torch.randn(4, 4, requires_grad=True) for _ in range(3))
+    expected = grads(lambda: two_matmuls(x, w1, w2).sum(), [w1, w2])[1]
+    policy = Logging(op_rule=save_matmuls.op_rule)
+    assert_bitwise(expected, grads(lambda: remat.checkpoint(two_matmuls, x, w1, w2, policy=policy).sum(),
+                                   [w1, w2])[1])
+    assert asked.count(torch.ops.aten.mm.default) == 2

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .offload import OffloadStats
 
@@ -133,12 +134,7 @@ def _register_decisions(enum_class: Any) -> None:
 
 
 _register_decisions(CheckpointPolicy)
-try:
-    from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
-
-    _register_decisions(_TorchCheckpointPolicy)
-except ImportError:  # torch without selective checkpointing: only remat's enum and bools
-    pass
+_register_decisions(_TorchCheckpointPolicy)
 
 
 def _action(decision: Any) -> int:
@@ -255,7 +251,9 @@ class _Store:
         self.allow_mutation = allow_mutation
         self.stats = stats
         self.slots: dict[int, _OpSlot] = {}  # by id(op)
-        self.fast = isinstance(policy, Policy)
+        # A Policy is asked through its rules (no context object, op rule once per operator);
+        # anything else, a subclass with its own __call__ included, with PyTorch's signature.
+        self.by_rules = isinstance(policy, Policy) and type(policy).__call__ is Policy.__call__
         # id(output tensor) -> (weakref to it, op, call index, the op's outputs as weakrefs or None):
         # lets tag() re-decide the call that made a tensor. Only kept for policies with name rules.
         self.recent: dict[int, tuple[weakref.ref, Any, int, Any]] | None = (
@@ -268,7 +266,7 @@ class _Store:
             action = _IGNORE
         elif _traits(op) & _VIEW_OR_INPLACE:
             action = _RECOMPUTE
-        elif not self.fast:
+        elif not self.by_rules:
             action = _ASK_FUNCTION
         elif self.policy.by_call:
             action = _ASK_CALL
