@@ -4,6 +4,7 @@ Run by hand (never in CI):
 
     python benchmarks/policies.py                      # both models, 15 rounds
     python benchmarks/policies.py --models demo --repeats 21
+    python benchmarks/policies.py --models tiny --repeats 41   # per-operator dispatch cost
 
 One policy throughout: keep the outputs of ``remat.policies.MATMUL_OPS``.  Variants:
 
@@ -15,8 +16,10 @@ One policy throughout: keep the outputs of ``remat.policies.MATMUL_OPS``.  Varia
 * ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers).
 
 Models: ``gpt`` (the ``remat bench`` case: 6 GPT blocks, d 256, 4 heads, seq 256, batch 8, dropout 0.1,
-random float input) and ``demo`` (the ``remat demo`` defaults: ``remat.models.GPT`` with 4 blocks, d 128,
-4 heads, seq 256, vocab 512, batch 8, dropout 0.1, cross-entropy loss).
+random float input), ``demo`` (the ``remat demo`` defaults: ``remat.models.GPT`` with 4 blocks, d 128,
+4 heads, seq 256, vocab 512, batch 8, dropout 0.1, cross-entropy loss) and ``tiny`` (8 blocks of 60 ops on
+4x16 tensors, a 16x16 matmul every fourth op: launch-bound, so the per-operator cost of the policy's
+dispatch modes dominates).
 
 Each round times one training step (zero grads, forward, backward) of every variant, the order rotated
 round to round so machine noise hits all alike; warm-up rounds are excluded.  Time ratios are taken within
@@ -84,11 +87,25 @@ def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
     model = copy.deepcopy(model)
     blocks = getattr(model, blocks_attr)
     if variant == "remat-policy":
-        remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block), policy=save_matmuls)
+        chosen = {id(block) for block in blocks}
+        remat.apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, policy=save_matmuls)
     elif variant != "plain":
         for i, block in enumerate(blocks):
             blocks[i] = _Wrapped(block, _RUNS[variant])
     return model
+
+
+class _TinyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(20):
+            x = (x @ self.weight).tanh() if i % 4 == 0 else x.sin()
+            x = x * x
+            x = x + 0.5
+        return x
 
 
 class _Chain(nn.Module):
@@ -125,7 +142,17 @@ def _models() -> dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], t
 
         return model, loss, "demo GPT: 4 blocks, d 128, seq 256, batch 8 (remat demo defaults)"
 
-    return {"gpt": gpt, "demo": demo}
+    def tiny():
+        torch.manual_seed(0)
+        model = _Chain(nn.ModuleList(_TinyBlock() for _ in range(8)))
+        x = torch.randn(4, 16)
+
+        def loss(m):
+            return m(x.clone().requires_grad_()).sum()
+
+        return model, loss, "8 blocks x 60 ops on 4x16, a 16x16 matmul every 4th op (launch-bound)"
+
+    return {"gpt": gpt, "demo": demo, "tiny": tiny}
 
 
 def _step(model: nn.Module, loss: Callable, seed: int) -> None:
@@ -203,7 +230,7 @@ def format_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the table and write the JSON file."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=list(_models()), choices=list(_models()))
+    parser.add_argument("--models", nargs="*", default=["gpt", "demo"], choices=list(_models()))
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -399,11 +399,13 @@ class _Replayer(TorchDispatchMode):
             # Random ops always run, so the RNG advances exactly as in forward.
             rerun = op(*args, **kwargs) if kwargs else op(*args)
         if kept.modified():
-            del slot.kept[index]
             if not self.store.allow_mutation:
                 raise self._modified(op)
             # Recomputing gives the value forward saw, which serving the modified one would not.
-            return rerun if rerun is not None else op(*args, **kwargs) if kwargs else op(*args)
+            del slot.kept[index]
+            if rerun is None:
+                rerun = op(*args, **kwargs) if kwargs else op(*args)
+            return rerun
         if self.release:
             del slot.kept[index]
         return kept.serve(take=self.release)
