@@ -75,10 +75,12 @@ def _options(prof: Profile, allow: Sequence[str]) -> list[dict[str, _Option]]:
         if "checkpoint" in allow:
             choices["checkpoint"] = _Option(row.kept_if_checkpointed, row.forward_time, transient)
         if "save_matmuls" in allow and row.matmul_bytes:
+            # The matmul outputs autograd does not save are released as soon as the recomputation has
+            # used them, like the forward's temporaries that recompute_extra already counts.
             choices["save_matmuls"] = _Option(
                 row.kept_if_checkpointed + row.matmul_bytes,
                 max(row.forward_time - row.matmul_time, 0.0),
-                transient + row.matmul_unsaved_bytes,
+                transient,
             )
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.act_bytes / _OFFLOAD_BYTES_PER_SECOND

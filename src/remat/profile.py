@@ -457,7 +457,7 @@ def _rows(blocks, probe: _Probe, meter: _MatmulMeter, forward_time: list[float],
                 forward_time=forward_time[i], matmul_time=min(matmul_share[i], 1.0) * forward_time[i],
                 matmul_bytes=meter.bytes[i], kept_if_checkpointed=kept,
                 recompute_extra=max(transient.get(f"forward {i}", 0) - act, 0),
-                # kept by save_matmuls although autograd does not save them: alive beside the recomputation
+                # kept by save_matmuls although autograd does not save them (released once recomputation used them)
                 matmul_unsaved_bytes=sum(b for key, b in meter.outputs[i].items() if key not in probe.saved[i]),
             )
         )
