@@ -188,3 +188,224 @@ def test_policy_functions_may_return_torchs_enum_or_bools():
                                        [w1, w2])[1])
     with pytest.raises(ValueError, match="must return a CheckpointPolicy"):
         remat.checkpoint(two_matmuls, x, w1, w2, policy=lambda ctx, op, *a, **k: "save")
+
+
+# ---- in-place changes to kept outputs ---------------------------------------------------------------------------
+class SqueezeExcite(torch.nn.Module):
+    """As in timm's EfficientNet: an in-place SiLU on the output of the reducing convolution."""
+
+    def __init__(self, channels: int, reduced: int) -> None:
+        super().__init__()
+        self.reduce = torch.nn.Conv2d(channels, reduced, 1)
+        self.act = torch.nn.SiLU(inplace=True)
+        self.expand = torch.nn.Conv2d(reduced, channels, 1)
+
+    def forward(self, x):
+        scale = self.act(self.reduce(x.mean((2, 3), keepdim=True)))
+        return x * self.expand(scale).sigmoid()
+
+
+class ConvSE(torch.nn.Module):
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.se = SqueezeExcite(channels, 2)
+
+    def forward(self, x):
+        return self.se(self.conv(x).relu())
+
+
+CONV = {torch.ops.aten.convolution.default}
+
+
+def _conv_se_case():
+    torch.manual_seed(0)
+    block = ConvSE()
+    x = torch.randn(2, 8, 6, 6, requires_grad=True)
+    return block, x, [x, *block.parameters()]
+
+
+def test_kept_output_modified_in_place_by_the_region_is_recomputed_not_served():
+    block, x, params = _conv_se_case()
+    expected = grads(lambda: block(x).pow(2).sum(), params)[1]
+    keep_conv = functools.partial(remat.create_selective_checkpoint_contexts, list(CONV))
+    for run in (lambda: remat.checkpoint(block, x, policy=save_matmuls),
+                lambda: remat.checkpoint(block, x, context_fn=keep_conv)):
+        assert_bitwise(expected, grads(lambda r=run: r().pow(2).sum(), params)[1])
+    # Only the convolution whose output the SiLU overwrote runs again (plain backward runs none forward).
+    out = remat.checkpoint(block, x, policy=save_matmuls)
+    with CountOps(CONV) as counter:
+        out.pow(2).sum().backward()
+    plain_out = block(x)
+    with CountOps(CONV) as plain_counter:
+        plain_out.pow(2).sum().backward()
+    assert counter.count == plain_counter.count + 1
+
+
+def test_efficientnet_b0_squeeze_excite_under_save_matmuls_is_bitwise_equal():
+    import copy
+
+    from zoo import import_vision
+
+    _, timm = import_vision()
+    torch.manual_seed(0)
+    plain = timm.create_model("efficientnet_b0", pretrained=False, num_classes=10)
+    wrapped = copy.deepcopy(plain)
+    blocks = ("DepthwiseSeparableConv", "InvertedResidual")
+    assert remat.apply_activation_checkpointing(wrapped, check_fn=lambda m: type(m).__name__ in blocks,
+                                                policy=save_matmuls)
+    x = torch.randn(2, 3, 32, 32)
+    expected = grads(lambda: plain(x).pow(2).sum(), list(plain.parameters()))
+    got = grads(lambda: wrapped(x).pow(2).sum(), list(wrapped.parameters()))
+    assert torch.equal(expected[0], got[0])
+    assert_bitwise(expected[1], got[1])
+
+
+def _kept_then_modified(t, w):
+    h = t @ w  # kept by save_matmuls; the caller modifies it after forward
+    return h, (h + 1).exp()  # exp saves its result, not h: plain autograd allows h to change
+
+
+def test_user_modifying_a_kept_output_after_forward():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+
+    def loss(run):
+        h, e = run(x, w)
+        with torch.no_grad():
+            h.mul_(3.0)
+        return e.sum() + h.sum()
+
+    expected = grads(lambda: loss(_kept_then_modified), [x, w])[1]
+    with pytest.raises(RuntimeError, match="allow_cache_entry_mutation=True"):
+        grads(lambda: loss(lambda *a: remat.checkpoint(_kept_then_modified, *a, policy=save_matmuls)), [x, w])
+    allow = functools.partial(remat.create_selective_checkpoint_contexts, save_matmuls,
+                              allow_cache_entry_mutation=True)
+    got = grads(lambda: loss(lambda *a: remat.checkpoint(_kept_then_modified, *a, context_fn=allow)), [x, w])[1]
+    assert_bitwise(expected, got)  # recomputed, not served modified: PyTorch's flag gives wrong gradients here
+
+
+# ---- policies x nesting x backward modes ------------------------------------------------------------------------
+def _keep_mm_fn(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES = {
+    "save_matmuls": save_matmuls,
+    "function": _keep_mm_fn,
+    "op list": [torch.ops.aten.mm.default],
+    "save all": save_all_but_names(),
+    "second mm call": remat.policies.Policy(
+        call_rule=lambda op, i: CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default and i == 1 else None),
+    "nothing": save_nothing,
+}
+
+
+def _inner(t, w):
+    h = (t @ w).relu_()  # a kept output changed in place by its region
+    return torch.nn.functional.dropout(h @ w, 0.3).sin()
+
+
+def _outer(t, w, inner_policy):
+    a = t @ w
+    b = _inner(a.tanh(), w) if inner_policy is None else remat.checkpoint(_inner, a.tanh(), w, policy=inner_policy)
+    apart = (t.t() @ w).exp()  # shares no node with b's graph
+    return apart, (b * a).cos()
+
+
+def _gradients(run, mode, leaves):
+    torch.manual_seed(7)
+    a, b = run()
+    if mode == "backward":
+        return list(torch.autograd.grad(b.sum() + a.sum(), leaves))
+    if mode == "retain twice":
+        loss = b.sum() + a.sum()
+        return [*torch.autograd.grad(loss, leaves, retain_graph=True), *torch.autograd.grad(loss, leaves)]
+    # two backward calls over disjoint parts of the graph, neither retaining it: the region is recomputed twice
+    first = torch.autograd.grad(b.sum(), leaves)
+    return [*first, *torch.autograd.grad(a.sum(), leaves)]
+
+
+@pytest.mark.parametrize("mode", ["backward", "retain twice", "parts"])
+@pytest.mark.parametrize("inner", ["not nested", "same policy", "save_matmuls", "nothing"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_policies_nesting_and_backward_modes_are_bitwise_equal(policy, inner, mode):
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+    outer_policy = POLICIES[policy]
+    inner_policy = {"not nested": None, "same policy": outer_policy}.get(inner, POLICIES.get(inner))
+    expected = _gradients(lambda: _outer(x, w, None), mode, [x, w])
+
+    def run():
+        return remat.checkpoint(_outer, x, w, inner_policy, policy=outer_policy)
+
+    assert_bitwise(expected, _gradients(run, mode, [x, w]))
+
+
+def test_retained_graph_keeps_kept_outputs_and_a_freed_one_releases_them():
+    x, w1, w2 = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    y = remat.checkpoint(two_matmuls, x, w1, w2, policy=save_matmuls)
+    counts = []
+    for retain in (True, True, False):
+        with CountOps(MM) as counter:
+            torch.autograd.grad(y.sum(), [x, w1, w2], retain_graph=retain)
+        counts.append(counter.count)
+    assert counts == [4, 4, 4]  # gradient matmuls only, every time: kept outputs served three times
+
+
+def test_a_call_rule_decides_by_call_index():
+    keep_second = remat.policies.Policy(
+        call_rule=lambda op, i: CheckpointPolicy.MUST_SAVE if (op, i) == (torch.ops.aten.mm.default, 1) else None)
+    plain = _backward_mm_count(two_matmuls)
+    assert _backward_mm_count(lambda *a: remat.checkpoint(two_matmuls, *a, policy=keep_second)) == plain + 1
+    with pytest.raises(TypeError, match="call index"):
+        keep_second(None, torch.ops.aten.mm.default)
+
+
+# ---- memory -----------------------------------------------------------------------------------------------------
+def test_kept_outputs_are_released_once_served_peak_at_most_torchs():
+    import torch.utils.checkpoint as torch_ckpt
+
+    from remat.models import GPT, Block, GPTConfig, synthetic_batch
+    from remat.policies import MATMUL_OPS
+
+    def keep_matmuls(ctx, op, *args, **kwargs):
+        return torch_ckpt.CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else \
+            torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+    cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=64, vocab_size=64)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    tokens, targets = synthetic_batch(cfg, 4)
+    wraps = {
+        "torch": lambda fn, *a: torch_ckpt.checkpoint(
+            fn, *a, use_reentrant=False,
+            context_fn=functools.partial(torch_ckpt.create_selective_checkpoint_contexts, keep_matmuls)),
+        "remat": lambda fn, *a: remat.checkpoint(fn, *a, policy=save_matmuls),
+    }
+    peaks = {}
+    for name, wrap in wraps.items():
+        model = GPT(cfg)
+        model.load_state_dict(reference.state_dict())
+        remat.apply_activation_checkpointing(
+            model, check_fn=lambda m: isinstance(m, Block),
+            checkpoint_wrapper_fn=lambda m, wrap=wrap: remat.checkpoint_wrapper(m, checkpoint_fn=wrap))
+        torch.manual_seed(1)
+        peaks[name] = remat.measure_step(lambda m=model: m.loss(tokens, targets).backward(), model).peak_above_params
+    assert peaks["remat"] <= peaks["torch"], peaks
+
+
+def test_a_policy_subclass_with_its_own_call_is_asked_per_call():
+    asked = []
+
+    class Logging(remat.policies.Policy):
+        def __call__(self, ctx, op, *args, **kwargs):
+            asked.append(op)
+            return super().__call__(ctx, op, *args, **kwargs)
+
+    x, w1, w2 = (torch.randn(4, 4, requires_grad=True) for _ in range(3))
+    expected = grads(lambda: two_matmuls(x, w1, w2).sum(), [w1, w2])[1]
+    policy = Logging(op_rule=save_matmuls.op_rule)
+    assert_bitwise(expected, grads(lambda: remat.checkpoint(two_matmuls, x, w1, w2, policy=policy).sum(),
+                                   [w1, w2])[1])
+    assert asked.count(torch.ops.aten.mm.default) == 2

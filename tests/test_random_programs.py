@@ -28,6 +28,7 @@ class Op:
 @dataclass(frozen=True)
 class Region:
     body: tuple  # of Op | Region
+    policy: int = 0  # index into POLICIES (0: plain checkpointing)
 
 
 def _apply(op: Op, pool: list) -> torch.Tensor:
@@ -53,6 +54,12 @@ def _apply(op: Op, pool: list) -> torch.Tensor:
         return a + b
     if op.kind == "mul":
         return a * b
+    if op.kind == "matmul_relu_":
+        return (a @ b).relu_()  # in place on an output a policy may keep
+    if op.kind == "matmul_view_mul_":
+        h = a @ b
+        h.view(-1).mul_(0.5)  # in place through a view
+        return h
     return (a @ b) * 0.5
 
 
@@ -71,7 +78,7 @@ def _run(body: tuple, pool: list, wrap) -> list:
 
             if not _creates_something(item.body):
                 continue
-            created.extend(wrap(region, *current))
+            created.extend(wrap(region, *current, policy=item.policy))
     return created
 
 
@@ -107,9 +114,9 @@ def _check(program: Region, use_reentrant: bool, early_stop: bool, mode: str) ->
     w = torch.randn(4, 4, requires_grad=True)
     leaves = [x, w]
 
-    def wrap(fn, *args):
-        out = remat.checkpoint(fn, *args, use_reentrant=use_reentrant, early_stop=early_stop)
-        return out
+    def wrap(fn, *args, policy=0):
+        return remat.checkpoint(fn, *args, use_reentrant=use_reentrant, early_stop=early_stop,
+                                policy=POLICIES[policy])
 
     def gradients(use_wrap: bool):
         torch.manual_seed(42)
@@ -152,3 +159,32 @@ def test_random_programs_nonreentrant(program, early_stop, mode):
 @given(program=programs)
 def test_random_programs_reentrant(program):
     _check(program, use_reentrant=True, early_stop=True, mode="backward")
+
+
+def _keep_mm_and_dropout(ctx, op, *args, **kwargs):
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.native_dropout.default)
+    return remat.CheckpointPolicy.MUST_SAVE if keep else remat.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES = (
+    None,
+    remat.policies.save_matmuls,
+    remat.policies.save_all_but_names(),
+    _keep_mm_and_dropout,
+    remat.policies.Policy(call_rule=lambda op, i: remat.CheckpointPolicy.MUST_SAVE if i % 2 else None),
+)
+policy_ops = st.builds(Op, st.sampled_from(UNARY + BINARY + ("matmul_relu_", "matmul_view_mul_")),
+                       st.integers(0, 50), st.integers(0, 50))
+
+
+def _policy_bodies(depth: int):
+    region = st.builds(Region, _policy_bodies(depth - 1), st.integers(0, len(POLICIES) - 1)) if depth else None
+    item = policy_ops if depth == 0 else st.one_of(policy_ops, policy_ops, region)
+    return st.lists(item, min_size=1, max_size=6).map(tuple)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(program=st.builds(Region, _policy_bodies(3)), early_stop=st.booleans(),
+       mode=st.sampled_from(["backward", "grad_inputs", "retain_twice"]))
+def test_random_programs_with_policies_and_in_place_ops(program, early_stop, mode):
+    _check(program, use_reentrant=False, early_stop=early_stop, mode=mode)

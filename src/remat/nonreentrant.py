@@ -86,6 +86,18 @@ def _identity(x: Any) -> Any:
     return x
 
 
+_python_dispatch_off = torch._C._DisableTorchDispatch
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor:
+        # A plain tensor's detach needs no dispatch mode: under a selective policy's
+        # replay mode it would otherwise cost a trip through Python per saved tensor.
+        with _python_dispatch_off():
+            return t.detach()
+    return t.detach()  # a subclass keeps its own detach
+
+
 def _is_plain(value: Any) -> bool:
     return not isinstance(value, (list, tuple, dict))
 
@@ -291,7 +303,7 @@ class _Refill:
 
         def pack(recomputed: torch.Tensor) -> torch.Tensor:
             # Keep only the value: holding the recompute graph would keep all of it alive.
-            x = recomputed.detach() if recomputed.requires_grad else recomputed
+            x = _detached(recomputed) if recomputed.requires_grad else recomputed
             index = self.seen
             self.seen = index + 1
             if index < count:

@@ -119,8 +119,10 @@ def block_options(prof: Profile, allow: Sequence[str] = OPTIONS[1:]) -> list[lis
         if "checkpoint" in allow and row.checkpoint_time != float("inf"):
             choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
+            # The matmul outputs autograd does not save are released as soon as the recomputation has used
+            # them, like the forward's temporaries that recompute_bytes already counts.
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
-                                       row.recompute_bytes + row.matmul_unsaved_bytes, True))
+                                       row.recompute_bytes, True))
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
             choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))

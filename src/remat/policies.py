@@ -1,11 +1,18 @@
 """Ready-made selective-checkpointing policies: small rules that combine with ``|``.
 
-A :class:`Policy` has two parts, each a small pure function:
+A :class:`Policy` has up to three parts, each a small pure function:
 
 * an *op rule* ``(op) -> CheckpointPolicy | None``: what to do with the
   output of an operator (``None``: no opinion);
+* a *call rule* ``(op, index) -> CheckpointPolicy | None``: what to do with the
+  ``index``-th call (from 0) of ``op`` in the region; it overrides the op rule
+  for that call (a per-call plan is a dict lookup here);
 * a *name rule* ``(name) -> CheckpointPolicy | None``: what to do with a
-  tensor marked by :func:`remat.tag`; it overrides the op rule for that tensor.
+  tensor marked by :func:`remat.tag`; it overrides the other rules for that tensor.
+
+remat asks the op rule once per operator and region, and the call rule once
+per call, with no per-call context object; a plain ``policy_fn`` is asked per
+call with the PyTorch signature.
 
 ``a | b`` (or :func:`combine`) asks both and takes the stronger answer:
 ``MUST_*`` beats ``PREFER_*``, and at equal strength keeping beats offloading
@@ -66,12 +73,34 @@ class Policy:
         op_rule: Callable[[Any], Decision] = _no_opinion,
         name_rule: Callable[[str], Decision] = _no_opinion,
         name: str = "policy",
+        call_rule: Callable[[Any, int], Decision] | None = None,
     ) -> None:
         self.op_rule = op_rule
         self.name_rule = name_rule
+        self.call_rule = call_rule
         self.name = name
 
+    @property
+    def by_call(self) -> bool:
+        """Whether decisions depend on the call index, not only on the operator."""
+        return self.call_rule is not None
+
+    @property
+    def has_names(self) -> bool:
+        """Whether :func:`remat.tag` names can change a decision (only then does remat track outputs)."""
+        return self.name_rule is not _no_opinion
+
+    def decide(self, op: Any, index: int) -> CheckpointPolicy:
+        """The decision for the ``index``-th call of ``op`` in a region (``index`` matters to call rules only)."""
+        decision = self.call_rule(op, index) if self.call_rule is not None else None
+        return decision or self.op_rule(op) or CheckpointPolicy.PREFER_RECOMPUTE
+
     def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.call_rule is not None:
+            raise TypeError(
+                f"{self!r} decides by call index, which only remat's create_selective_checkpoint_contexts "
+                "counts; use remat.checkpoint(..., policy=...) rather than torch.utils.checkpoint."
+            )
         return self.op_rule(op) or CheckpointPolicy.PREFER_RECOMPUTE
 
     def decide_name(self, name: str) -> Decision:
@@ -104,7 +133,20 @@ def combine(*policies: Policy) -> Policy:
             decision = _stronger(decision, p.name_rule(name))
         return decision
 
-    return Policy(op_rule, name_rule, name=" | ".join(p.name for p in policies))
+    def call_rule(op: Any, index: int) -> Decision:
+        # Each policy's own answer for this call (its call rule, else its op rule), strongest wins.
+        decision = None
+        for p in policies:
+            own = p.call_rule(op, index) if p.call_rule is not None else None
+            decision = _stronger(decision, own or p.op_rule(op))
+        return decision
+
+    return Policy(
+        op_rule,
+        name_rule if any(p.has_names for p in policies) else _no_opinion,
+        name=" | ".join(p.name for p in policies),
+        call_rule=call_rule if any(p.by_call for p in policies) else None,
+    )
 
 
 #: Operators whose outputs ``save_matmuls`` keeps: the expensive, compute-bound ones.

@@ -73,7 +73,6 @@ class ModuleProfile:
     recompute_bytes: int
     checkpoint_time: float
     save_matmuls_time: float
-    matmul_unsaved_bytes: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -653,8 +652,6 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
             matmul_bytes=sum(r.nbytes for r in matmul), own_bytes=own[i], held_bytes=held[i],
             recompute_bytes=probe.last_save_peak[i] - probe.forward_start[i],
             checkpoint_time=checkpoint_time[i], save_matmuls_time=selective_time[i],
-            # kept by save_matmuls although autograd does not save them: alive beside the recomputation
-            matmul_unsaved_bytes=sum(r.nbytes for r in matmul if i not in r.savers),
         ))
     params = list(model.parameters())
     return Profile(

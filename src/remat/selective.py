@@ -5,30 +5,43 @@ from forward and handed back in recomputation instead of running the op
 again), *offloaded* (saved in host memory, brought back to its device when
 recomputation needs it) or *recomputed*.  Two dispatch modes implement it:
 :class:`_Recorder` runs in forward and keeps what the policy asks for;
-:class:`_Replayer` runs in recomputation and serves those outputs in the same
-order.  ``create_selective_checkpoint_contexts`` returns the pair for
+:class:`_Replayer` runs in recomputation and serves those outputs to the
+same calls, matched by operator and call index.
+``create_selective_checkpoint_contexts`` returns the pair for
 ``checkpoint(..., context_fn=...)``.
 
+Lifetime of a kept output: it is released as soon as a recomputation has
+served it, unless the backward keeps its graph (``retain_graph=True``), in
+which case it stays for the next backward.  Anything a later recomputation
+finds released is simply recomputed, so several backward calls over parts of
+one graph work without ``retain_graph``.
+
+In-place changes: a kept output that the region itself modifies in place is
+not kept (it is recomputed, and the in-place op replayed on it, which is what
+plain autograd computes); that is detected from its version counter when the
+region's forward ends.  A kept output modified *after* forward is an error in
+recomputation, or with ``allow_cache_entry_mutation=True`` is recomputed
+instead of served, so gradients are never computed from a modified value.
+
 Differences from PyTorch 2.13 worth knowing: CPU_OFFLOAD really offloads in
-eager mode; kept outputs stay valid for every backward of the graph (so
-``retain_graph=True`` works); random ops are always rerun in recomputation so
-the RNG advances exactly as in forward; and outputs can be selected by name
-with :func:`remat.tag`.
+eager mode; ``retain_graph=True`` and partial backward calls work; random ops
+are always rerun in recomputation so the RNG advances exactly as in forward;
+an output modified in place by the region needs no special flag; and outputs
+can be selected by name with :func:`remat.tag`.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import threading
 import weakref
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .offload import OffloadStats
 
@@ -83,6 +96,8 @@ class SelectiveCheckpointContext:
         ...         CheckpointPolicy.PREFER_RECOMPUTE
     """
 
+    __slots__ = ("is_recompute", "op_output")
+
     def __init__(self, *, is_recompute: bool, op_output: Any = None) -> None:
         self.is_recompute = is_recompute
         self.op_output = op_output
@@ -104,31 +119,86 @@ SAC_IGNORED_OPS: set = _ops("detach", "sym_size.int", "sym_stride.int", "sym_num
     torch.ops.prim.device.default
 }
 
+# What the modes do with one call. Plain ints: the dispatch path compares them per operator.
+_RECOMPUTE, _KEEP, _OFFLOAD, _IGNORE, _ASK_FUNCTION, _ASK_CALL = range(6)
 
-_RECOMPUTE = object()
+# Decisions by identity (enum members are singletons; hashing an Enum runs Python code).
+_ACTION_BY_ID: dict[int, int] = {}
+
+
+def _register_decisions(enum_class: Any) -> None:
+    for member in enum_class:
+        name = member.name
+        action = _KEEP if name.endswith("_SAVE") else _OFFLOAD if name.endswith("_OFFLOAD") else _RECOMPUTE
+        _ACTION_BY_ID[id(member)] = action
+
+
+_register_decisions(CheckpointPolicy)
+_register_decisions(_TorchCheckpointPolicy)
+
+
+def _action(decision: Any) -> int:
+    action = _ACTION_BY_ID.get(id(decision))
+    if action is not None:
+        return action
+    if decision is True or decision is False:
+        return _KEEP if decision else _RECOMPUTE
+    return _ACTION_BY_ID[id(CheckpointPolicy.coerce(decision))]  # raises a clear error on anything else
 
 
 class _Kept:
-    """A kept output: its value (maybe in host memory), device and version at save time."""
+    """A kept tensor: an alias of the op's output (or its host copy), its device and version then."""
 
     __slots__ = ("value", "device", "version", "offloaded")
 
-    def __init__(self, value: torch.Tensor, device: torch.device, offloaded: bool) -> None:
+    def __init__(self, output: torch.Tensor, offload: bool) -> None:
+        value = _alias(output)
+        if offload and value.device.type != "cpu":
+            pin = torch.cuda.is_available() and value.device.type == "cuda"
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+            value = host.copy_(value, non_blocking=pin)
         self.value = value
-        self.device = device
+        self.device = output.device
         self.version = value._version
-        self.offloaded = offloaded
+        self.offloaded = offload
 
-    def get(self, allow_mutation: bool, op: Any) -> torch.Tensor:
-        if not allow_mutation and self.value._version != self.version:
-            raise RuntimeError(
-                f"remat: the output of {op} kept by a selective-checkpoint policy was modified in place "
-                "after forward, so recomputation would see the modified value. Stop mutating it, make the "
-                "policy recompute that op, or pass allow_cache_entry_mutation=True if the change is intended."
-            )
+    def modified(self) -> bool:
+        return self.value._version != self.version
+
+    def serve(self, take: bool) -> torch.Tensor:
         if self.value.device != self.device:
             return self.value.to(self.device, non_blocking=True)
-        return _alias(self.value)
+        # A taken value is no longer held here, so it can be handed out as is.
+        return self.value if take else _alias(self.value)
+
+    def tensors(self) -> list[_Kept]:
+        return [self]
+
+
+class _KeptOutputs:
+    """The kept outputs of a multi-output op, served whole (e.g. attention with its log-sum-exp)."""
+
+    __slots__ = ("structure",)
+
+    def __init__(self, outputs: Any, offload: bool) -> None:
+        self.structure = tree_map(lambda t: _Kept(t, offload) if isinstance(t, torch.Tensor) else t, outputs)
+
+    def tensors(self) -> list[_Kept]:
+        found: list[_Kept] = []
+        tree_map(lambda k: found.append(k) if isinstance(k, _Kept) else None, self.structure)
+        return found
+
+    def modified(self) -> bool:
+        return any(k.modified() for k in self.tensors())
+
+    def serve(self, take: bool) -> Any:
+        return tree_map(lambda k: k.serve(take) if isinstance(k, _Kept) else k, self.structure)
+
+
+def _keep(outputs: Any, offload: bool) -> _Kept | _KeptOutputs:
+    if isinstance(outputs, torch.Tensor):
+        return _Kept(outputs, offload)
+    return _KeptOutputs(outputs, offload)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -139,60 +209,94 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
-def _keep(out: Any, offload: bool) -> Any:
-    def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        value = _alias(t)
-        if offload and value.device.type != "cpu":
-            pin = torch.cuda.is_available() and value.device.type == "cuda"
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
-            value = host.copy_(value, non_blocking=pin)
-        return _Kept(value, t.device, offload)
-
-    return tree_map(one, out)
+# Per-operator facts, by id (operators live as long as the process): bit 1 = view or
+# in-place, bit 2 = random.
+_TRAITS: dict[int, int] = {}
+_VIEW_OR_INPLACE, _RANDOM = 1, 2
 
 
-@functools.cache
-def _is_view_or_inplace(op: Any) -> bool:
-    # Views own no memory and in-place ops return their (already kept or
-    # recomputed) input: keeping either would only alias another entry.
-    return any(r.alias_info is not None for r in op._schema.returns)
+def _traits(op: Any) -> int:
+    traits = _TRAITS.get(id(op))
+    if traits is None:
+        schema = getattr(op, "_schema", None)
+        # Views own no memory and in-place ops return their (already kept or
+        # recomputed) input: keeping either would only alias another entry.
+        aliasing = schema is not None and any(r.alias_info is not None for r in schema.returns)
+        random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+        traits = _TRAITS[id(op)] = (_VIEW_OR_INPLACE if aliasing else 0) | (_RANDOM if random else 0)
+    return traits
 
 
-@functools.cache
-def _is_random(op: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in op.tags
+class _OpSlot:
+    """One operator in one region: its calls in forward and in the running recomputation, what it keeps."""
+
+    __slots__ = ("op", "action", "random", "calls", "replayed", "kept")
+
+    def __init__(self, op: Any, action: int) -> None:
+        self.op = op
+        self.action = action  # _IGNORE, _RECOMPUTE, _KEEP, _OFFLOAD, or ask per call
+        self.random = bool(_traits(op) & _RANDOM)
+        self.calls = 0
+        self.replayed = 0
+        self.kept: dict[int, _Kept | _KeptOutputs] = {}  # call index -> kept output
 
 
 class _Store:
-    """Outputs kept by one region, by op and call index, shared by its two modes."""
+    """What one region keeps, shared by its two modes."""
 
     def __init__(self, policy: Callable, allow_mutation: bool, stats: OffloadStats | None) -> None:
+        from .policies import Policy
+
         self.policy = policy
         self.allow_mutation = allow_mutation
         self.stats = stats
-        self.entries: dict[Any, list[Any]] = defaultdict(list)
-        # id(output tensor) -> (weakref to it, op, call index, weakrefs to all the op's outputs):
-        # lets tag() re-decide the entry of the op that made a tensor
-        self.recent: dict[int, tuple[weakref.ref, Any, int, Any]] = {}
+        self.slots: dict[int, _OpSlot] = {}  # by id(op)
+        # A Policy is asked through its rules (no context object, op rule once per operator);
+        # anything else, a subclass with its own __call__ included, with PyTorch's signature.
+        self.by_rules = isinstance(policy, Policy) and type(policy).__call__ is Policy.__call__
+        # id(output tensor) -> (weakref to it, op, call index, the op's outputs as weakrefs or None):
+        # lets tag() re-decide the call that made a tensor. Only kept for policies with name rules.
+        self.recent: dict[int, tuple[weakref.ref, Any, int, Any]] | None = (
+            {} if getattr(policy, "has_names", False) else None
+        )
 
-    def count(self) -> None:
-        """Add what this region keeps and offloads to the stats, once its forward is over."""
-        if self.stats is None:
-            return
-        for calls in self.entries.values():
-            for entry in calls:
-                for kept in _leaves(entry):
-                    self.stats.count(kept.value, offloaded=kept.offloaded)
+    def first_sight(self, op: Any) -> _OpSlot:
+        """The slot of an operator this region has not run yet, with what is known of it without asking."""
+        if op in SAC_IGNORED_OPS:
+            action = _IGNORE
+        elif _traits(op) & _VIEW_OR_INPLACE:
+            action = _RECOMPUTE
+        elif not self.by_rules:
+            action = _ASK_FUNCTION
+        elif self.policy.by_call:
+            action = _ASK_CALL
+        else:
+            action = _action(self.policy.decide(op, 0))
+        slot = self.slots[id(op)] = _OpSlot(op, action)
+        return slot
 
+    def ask(self, slot: _OpSlot, index: int, args: tuple, kwargs: dict, out: Any) -> int:
+        if slot.action == _ASK_CALL:
+            return _action(self.policy.decide(slot.op, index))
+        context = SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        return _action(self.policy(context, slot.op, *args, **kwargs))
 
-def _leaves(entry: Any) -> list[_Kept]:
-    if isinstance(entry, _Kept):
-        return [entry]
-    if isinstance(entry, (tuple, list)):
-        return [k for item in entry for k in _leaves(item)]
-    return []
+    def forward_done(self) -> None:
+        """Drop kept outputs the region modified in place (they are recomputed), then count the rest."""
+        for slot in self.slots.values():
+            if slot.kept:
+                for index in [i for i, kept in slot.kept.items() if kept.modified()]:
+                    del slot.kept[index]
+        if self.stats is not None:
+            for slot in self.slots.values():
+                for kept in slot.kept.values():
+                    for tensor in kept.tensors():
+                        self.stats.count(tensor.value, offloaded=tensor.offloaded)
+
+    def release_all(self) -> None:
+        for slot in self.slots.values():
+            if slot.kept:
+                slot.kept = {}
 
 
 _recording = threading.local()
@@ -216,64 +320,116 @@ class _Recorder(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         _recording.stack.pop()
-        self.store.recent.clear()  # tag() only applies inside the forward
-        self.store.count()
+        store = self.store
+        if store.recent is not None:
+            store.recent.clear()  # tag() only applies inside the forward
+        store.forward_done()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = op(*args, **kwargs)
-        if op in SAC_IGNORED_OPS:
-            return out
+        out = op(*args, **kwargs) if kwargs else op(*args)
         store = self.store
-        calls = store.entries[op]
-        decision = CheckpointPolicy.PREFER_RECOMPUTE
-        if not _is_view_or_inplace(op):
-            decision = CheckpointPolicy.coerce(
-                store.policy(SelectiveCheckpointContext(is_recompute=False, op_output=out), op, *args, **kwargs)
-            )
-        index = len(calls)
-        calls.append(_keep(out, decision.offloads) if decision.keeps or decision.offloads else _RECOMPUTE)
-        outputs = out if isinstance(out, (tuple, list)) else (out,)
-        refs = tuple(weakref.ref(t) if isinstance(t, torch.Tensor) else t for t in outputs)
-        for t, ref in zip(outputs, refs):
-            if isinstance(t, torch.Tensor):
-                store.recent[id(t)] = (ref, op, index, refs if outputs is out else None)
+        slot = store.slots.get(id(op))
+        if slot is None:
+            slot = store.first_sight(op)
+        action = slot.action
+        if action == _IGNORE:
+            return out
+        index = slot.calls
+        slot.calls = index + 1
+        if action >= _ASK_FUNCTION:
+            action = store.ask(slot, index, args, kwargs or {}, out)
+        if action != _RECOMPUTE:
+            slot.kept[index] = _keep(out, action == _OFFLOAD)
+        if store.recent is not None:
+            _remember(store.recent, out, op, index)
         return out
 
 
+def _remember(recent: dict, out: Any, op: Any, index: int) -> None:
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = tuple(weakref.ref(t) if isinstance(t, torch.Tensor) else t for t in outputs)
+    for t, ref in zip(outputs, refs):
+        if isinstance(t, torch.Tensor):
+            recent[id(t)] = (ref, op, index, refs if outputs is out else None)
+
+
+_current_graph_task_id = torch._C._current_graph_task_id
+_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
 class _Replayer(TorchDispatchMode):
-    """Recomputation: serve kept outputs in forward order, run everything else."""
+    """Recomputation: serve kept outputs to the calls that made them, run everything else."""
 
     def __init__(self, store: _Store) -> None:
         super().__init__()
         self.store = store
-        self.counters: dict[Any, int] = defaultdict(int)
+        self.release = False
 
     def __enter__(self) -> _Replayer:
-        self.counters.clear()  # each recomputation replays from the start
+        for slot in self.store.slots.values():
+            slot.replayed = 0  # each recomputation replays from the start
+        # A backward that frees its graph can run this region's recomputation only once
+        # per part of the graph; anything needed again later is recomputed.
+        self.release = _current_graph_task_id() != -1 and not _keeps_graph()
         return super().__enter__()
 
+    def __exit__(self, *exc: Any) -> None:
+        if self.release:
+            # Outputs not served (recomputation stopped early) can never be needed: a later
+            # recomputation stops at the same place or sooner.
+            self.store.release_all()
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if op in SAC_IGNORED_OPS:
-            return op(*args, **kwargs)
-        index = self.counters[op]
-        self.counters[op] = index + 1
-        calls = self.store.entries.get(op)
-        if calls is None or index >= len(calls):
-            raise RuntimeError(
-                f"remat: recomputation ran {op} (call #{index}) which the original forward did not run; the "
-                "checkpointed function must run the same operators both times."
-            )
-        entry = calls[index]
-        if entry is _RECOMPUTE or _is_random(op):
+        slot = self.store.slots.get(id(op))
+        if slot is None:
+            slot = self._unseen(op)
+        if slot.action == _IGNORE:
+            return op(*args, **kwargs) if kwargs else op(*args)
+        index = slot.replayed
+        if index >= slot.calls:
+            raise self._diverged(op, index)
+        slot.replayed = index + 1
+        kept = slot.kept.get(index) if slot.kept else None
+        if kept is None:
+            return op(*args, **kwargs) if kwargs else op(*args)
+        rerun = None
+        if slot.random:
             # Random ops always run, so the RNG advances exactly as in forward.
-            out = op(*args, **kwargs)
-            if entry is _RECOMPUTE:
-                return out
-        allow = self.store.allow_mutation
-        return tree_map(lambda k: k.get(allow, op) if isinstance(k, _Kept) else k, entry)
+            rerun = op(*args, **kwargs) if kwargs else op(*args)
+        if kept.modified():
+            if not self.store.allow_mutation:
+                raise self._modified(op)
+            # Recomputing gives the value forward saw, which serving the modified one would not.
+            del slot.kept[index]
+            if rerun is None:
+                rerun = op(*args, **kwargs) if kwargs else op(*args)
+            return rerun
+        if self.release:
+            del slot.kept[index]
+        return kept.serve(take=self.release)
+
+    def _unseen(self, op: Any) -> _OpSlot:
+        if op in SAC_IGNORED_OPS:
+            return self.store.first_sight(op)
+        raise self._diverged(op, 0)
+
+    @staticmethod
+    def _diverged(op: Any, index: int) -> RuntimeError:
+        return RuntimeError(
+            f"remat: recomputation ran {op} (call #{index}) which the original forward did not run; the "
+            "checkpointed function must run the same operators both times."
+        )
+
+    @staticmethod
+    def _modified(op: Any) -> RuntimeError:
+        return RuntimeError(
+            f"remat: the output of {op} kept by a selective-checkpoint policy was modified in place after "
+            "forward, so it no longer holds the value the gradients need. Stop modifying it (clone it first), "
+            "or pass allow_cache_entry_mutation=True to create_selective_checkpoint_contexts and remat will "
+            "recompute that output instead of serving it."
+        )
 
 
 def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -293,23 +449,24 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
         return tag_in_graph(tensor, name)
     store = _active_store()
-    if store is None:
+    if store is None or store.recent is None:
         return tensor
-    decide = getattr(store.policy, "decide_name", None)
     found = store.recent.get(id(tensor))
-    if decide is None or found is None or found[0]() is not tensor:
+    if found is None or found[0]() is not tensor:
         return tensor
-    decision = decide(name)
+    decision = store.policy.decide_name(name)
     if decision is None:
         return tensor
     _, op, index, siblings = found
-    if _is_view_or_inplace(op):
+    if _traits(op) & _VIEW_OR_INPLACE:
         raise ValueError(
             f"remat.tag: {name!r} names the output of {op}, a view or in-place op whose memory belongs to "
             "another tensor; tag the tensor it was computed from (e.g. before reshape/transpose/unbind)."
         )
-    if not (decision.keeps or decision.offloads):
-        store.entries[op][index] = _RECOMPUTE
+    slot = store.slots[id(op)]
+    action = _action(decision)
+    if action == _RECOMPUTE:
+        slot.kept.pop(index, None)
         return tensor
     if siblings is None:
         output = tensor
@@ -318,7 +475,7 @@ def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
         output = tuple(ref() if isinstance(ref, weakref.ref) else ref for ref in siblings)
         if any(t is None for t in output):
             return tensor
-    store.entries[op][index] = _keep(output, decision.offloads)
+    slot.kept[index] = _keep(output, action == _OFFLOAD)
     return tensor
 
 
@@ -331,8 +488,11 @@ def create_selective_checkpoint_contexts(
     """The ``(forward, recompute)`` context pair for ``checkpoint(context_fn=...)``.
 
     ``policy_fn_or_list`` is a function ``(ctx, op, *args, **kwargs) ->
-    CheckpointPolicy`` (or bool: True = save), or a list of ``OpOverload``\\ s to
-    save.  Pass ``stats=OffloadStats()`` to count what the policy kept and offloaded.
+    CheckpointPolicy`` (or bool: True = save), a :mod:`remat.policies` policy, or
+    a list of ``OpOverload``\\ s to save.  ``allow_cache_entry_mutation=True``
+    turns the error about a kept output modified in place after forward into a
+    recomputation of that output.  Pass ``stats=OffloadStats()`` to count what
+    the policy kept and offloaded.
 
     Example:
         >>> import functools
@@ -340,7 +500,8 @@ def create_selective_checkpoint_contexts(
         >>> y = remat.checkpoint(fn, x, context_fn=ctx)
     """
     if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
-        to_save = set()
+        from .policies import Policy
+
         for op in policy_fn_or_list:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 raise ValueError(
@@ -349,11 +510,8 @@ def create_selective_checkpoint_contexts(
                 )
             if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
                 raise ValueError(f"remat: expected OpOverloads in the op list, got {op!r} ({type(op).__name__}).")
-            to_save.add(op)
-
-        def policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            return CheckpointPolicy.MUST_SAVE if op in to_save else CheckpointPolicy.PREFER_RECOMPUTE
-
+        listed = frozenset(policy_fn_or_list)
+        policy = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE if op in listed else None, name="op list")
     elif callable(policy_fn_or_list):
         policy = policy_fn_or_list
     else:
