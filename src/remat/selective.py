@@ -227,6 +227,10 @@ def _traits(op: Any) -> int:
     return traits
 
 
+def _is_view_or_inplace(op: Any) -> bool:
+    return bool(_traits(op) & _VIEW_OR_INPLACE)
+
+
 class _OpSlot:
     """One operator in one region: its calls in forward and in the running recomputation, what it keeps."""
 
