@@ -342,7 +342,7 @@ def test_policies_nesting_and_backward_modes_are_bitwise_equal(policy, inner, mo
     assert_bitwise(expected, _gradients(run, mode, [x, w]))
 
 
-def test_retained_graph_keeps_kept_outputs_and_a_freed_one_releases_them():
+def test_a_retained_graph_is_served_kept_outputs_again():
     x, w1, w2 = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
     y = remat.checkpoint(two_matmuls, x, w1, w2, policy=save_matmuls)
     counts = []
@@ -351,6 +351,23 @@ def test_retained_graph_keeps_kept_outputs_and_a_freed_one_releases_them():
             torch.autograd.grad(y.sum(), [x, w1, w2], retain_graph=retain)
         counts.append(counter.count)
     assert counts == [4, 4, 4]  # gradient matmuls only, every time: kept outputs served three times
+
+
+def _two_heads(t, w):
+    return (t @ w).sin(), (t.t() @ w).cos()
+
+
+def test_a_backward_that_frees_the_graph_releases_kept_outputs_and_a_later_one_recomputes_them():
+    x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    a, b = _two_heads(x, w)
+    expected = [*torch.autograd.grad(a.sum(), [x, w]), *torch.autograd.grad(b.sum(), [x, w])]
+    a, b = remat.checkpoint(_two_heads, x, w, policy=save_matmuls)
+    with CountOps(MM) as first:
+        got = list(torch.autograd.grad(a.sum(), [x, w]))
+    with CountOps(MM) as second:
+        got += torch.autograd.grad(b.sum(), [x, w])
+    assert_bitwise(expected, got)
+    assert (first.count, second.count) == (2, 4)  # served, then released: the second recomputation reruns both
 
 
 def test_a_call_rule_decides_by_call_index():
