@@ -430,11 +430,13 @@ def profile(
             p.grad = g
     timeline, probe, meter, grad_bytes = traced
     forward_time = [plain for plain, _, _ in times]
-    checkpoint_time = [checkpointed for _, checkpointed, _ in times]
-    selective_time = [selective for _, _, selective in times]
     # The instrumented pass slows every op; only the matmul *share* of its time is trusted.
     matmul_time = [min(meter.time[i] / probe.seconds[i], 1.0) * forward_time[i] if probe.seconds[i] > 0 else 0.0
                    for i in range(len(blocks))]
+    # On a busy machine a variant's step can time no slower than the plain one: a rerun still costs at least
+    # the forward it repeats (without the matmuls, for save_matmuls).
+    checkpoint_time = [max(checkpointed, forward_time[i]) for i, (_, checkpointed, _) in enumerate(times)]
+    selective_time = [max(selective, forward_time[i] - matmul_time[i]) for i, (_, _, selective) in enumerate(times)]
     return _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, matmul_time,
                      checkpoint_time, selective_time, step_time, str(params[0].device) if params else "cpu")
 
@@ -531,7 +533,8 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
         if variant in failed:
             extra[variant] = [float("inf")] * n
             continue
-        total = max(statistics.median(steps[variant]) - base, 0.0)
+        # differences within a round (the variants ran back to back) cancel the machine's slow drifts
+        total = max(statistics.median(v - p for v, p in zip(steps[variant], steps["plain"])), 0.0)
         weight = sum(medians[variant]) or 1.0
         extra[variant] = [total * t / weight for t in medians[variant]]
     return [(medians["plain"][i], extra["checkpoint"][i], extra["save_matmuls"][i]) for i in range(n)], base
