@@ -29,6 +29,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -550,33 +551,20 @@ def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torc
     meter = _MatmulMeter(probe)
     probe.install()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter:
-            with _all(modes):
-                loss = step()
-                timeline.mark("loss")
-                probe.in_forward = False
-                loss.backward()
-                del loss
+        with ExitStack() as contexts:
+            for context in (torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter,
+                            *modes):
+                contexts.enter_context(context)
+            loss = step()
+            timeline.mark("loss")
+            probe.in_forward = False
+            loss.backward()
+            del loss
         probe.close_backward()
     finally:
         probe.remove()
     grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
     return timeline, probe, meter, grad_bytes
-
-
-class _all:
-    """Enter several context managers (possibly none) as one."""
-
-    def __init__(self, contexts: Sequence[Any]) -> None:
-        self.contexts = contexts
-
-    def __enter__(self) -> None:
-        for c in self.contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for c in reversed(self.contexts):
-            c.__exit__(*exc)
 
 
 def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
