@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.bench import _cases
+from remat.bench import Chain, _cases
 from remat.memory import format_bytes, profiled_peak
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.planner import InfeasibleBudget, plan_from_profile
@@ -58,17 +58,6 @@ class Workload:
         self.loss_fn(model(*self.inputs)).backward()
 
 
-class _Chain(nn.Module):
-    def __init__(self, blocks: nn.ModuleList) -> None:
-        super().__init__()
-        self.blocks = blocks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def workload(name: str) -> Workload:
     """The benchmark's models, built identically in every process (seeded)."""
     torch.manual_seed(0)
@@ -79,7 +68,7 @@ def workload(name: str) -> Workload:
     if name == "gpt":
         case = _cases()["gpt"]()
         x = case.make_input().detach()
-        return Workload(_Chain(case.blocks), (x,), lambda out: out.float().pow(2).mean())
+        return Workload(Chain(case.blocks), (x,), lambda out: out.float().pow(2).mean())
     raise ValueError(f"unknown model {name!r}; choose demo or gpt")
 
 

@@ -47,6 +47,7 @@ import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
 import remat
+from remat.bench import Chain
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.policies import MATMUL_OPS, save_matmuls
 
@@ -108,22 +109,11 @@ class _TinyBlock(nn.Module):
         return x
 
 
-class _Chain(nn.Module):
-    def __init__(self, blocks: nn.ModuleList) -> None:
-        super().__init__()
-        self.blocks = blocks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def _models() -> dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor], str]]]:
     def gpt():
         torch.manual_seed(0)
         cfg = GPTConfig(d_model=256, n_heads=4, seq_len=256, dropout=0.1)
-        model = _Chain(nn.ModuleList(Block(cfg) for _ in range(6)))
+        model = Chain(nn.ModuleList(Block(cfg) for _ in range(6)))
         x = torch.randn(8, 256, 256)
 
         def loss(m):
@@ -144,7 +134,7 @@ def _models() -> dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], t
 
     def tiny():
         torch.manual_seed(0)
-        model = _Chain(nn.ModuleList(_TinyBlock() for _ in range(8)))
+        model = Chain(nn.ModuleList(_TinyBlock() for _ in range(8)))
         x = torch.randn(4, 16)
 
         def loss(m):

@@ -32,7 +32,7 @@ from .checkpoint import checkpoint
 from .memory import measure_step
 from .models import Block, GPTConfig
 
-__all__ = ["VARIANTS", "format_table", "main", "run_case"]
+__all__ = ["VARIANTS", "Chain", "format_table", "main", "run_case"]
 
 Wrap = Callable[..., torch.Tensor]
 
@@ -84,6 +84,23 @@ class WideBlock(nn.Module):
 
     def forward(self, x):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Chain(nn.Module):
+    """Blocks run one after another, as one model (for tools that take a model, like the planner).
+
+    Example:
+        >>> model = Chain(nn.ModuleList(WideBlock(256, h) for h in (256, 1024)))
+    """
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 @dataclass
