@@ -283,7 +283,13 @@ def test_a_mask_every_block_takes_is_counted_once():
 
 
 def test_the_same_plan_run_after_run():
-    """Five profiles of the demo GPT (small): timings differ, the plans at each budget do not."""
+    """Five profiles of the demo GPT (small): timings differ, the plans at each budget do not.
+
+    Identical blocks share one timing, so their prices tie exactly and the choice among them cannot follow
+    noise. Between two *different* options (checkpoint vs save_matmuls) a near tie on this CPU is real, and
+    which side of it a measurement lands on is timing; so this test, which must not depend on timing,
+    plans with checkpointing only.
+    """
     torch.manual_seed(0)
     cfg = GPTConfig(n_layers=4, d_model=32, n_heads=2, seq_len=64, vocab_size=64, dropout=0.1)
     model = GPT(cfg)
@@ -292,7 +298,7 @@ def test_the_same_plan_run_after_run():
     for _ in range(5):
         prof = remat.profile(model, tokens, loss_fn=lambda logits: F.cross_entropy(logits.flatten(0, 1),
                                                                                   targets.flatten()))
-        plans.append([prof.plan(budget).decisions for budget in (0.45, 0.6, 0.8)])
+        plans.append([prof.plan(budget, allow=("checkpoint",)).decisions for budget in (0.45, 0.6, 0.8)])
     assert all(p == plans[0] for p in plans), plans
     assert all("checkpoint" in decisions.values() for decisions in plans[0])
 
