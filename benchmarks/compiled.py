@@ -31,6 +31,7 @@ import torch.utils.checkpoint as torch_ckpt
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 
 import remat
+from remat.memory import saved_bytes
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.policies import MATMUL_OPS, save_matmuls
 
@@ -59,23 +60,6 @@ WRAPS: dict[str, Callable[[torch.nn.Module], object]] = {
     "torch-sac": lambda m: _torch_wrap(m, selective=True),
     "remat-sac": lambda m: remat.apply_activation_checkpointing(m, check_fn=_is_block, policy=save_matmuls),
 }
-
-
-def saved_bytes(step: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
-    """Distinct non-parameter storages autograd saves during ``step()``'s forward."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
 
 
 def _quartiles(samples: list[float]) -> tuple[float, float, float]:

@@ -25,6 +25,7 @@ from helpers import MLPBlock, MLPStack, assert_bitwise
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 
 import remat
+from remat.memory import saved_bytes
 from remat.models import GPT, Block, GPTConfig
 from remat.policies import MATMUL_OPS, offload_names, save_all_but_names, save_matmuls, save_names
 
@@ -38,23 +39,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def saved_bytes(forward, params) -> int:
-    """Bytes of the distinct non-parameter storages autograd saves while ``forward()`` runs."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    out.backward()
-    return sum(seen.values())
 
 
 def run(model, x, seed=3):

@@ -9,13 +9,13 @@ peak ``Total``, and that peak minus parameters and buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["StepMemory", "format_bytes", "measure_step", "parse_bytes", "profiled_peak"]
+__all__ = ["StepMemory", "format_bytes", "measure_step", "parse_bytes", "profiled_peak", "saved_bytes"]
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -120,3 +120,29 @@ def profiled_peak(step: Callable[[], Any]) -> int:
         live += event.nbytes()  # negative for a free
         peak = max(peak, live)
     return peak
+
+
+def saved_bytes(step: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves while ``step()`` runs; then backward.
+
+    Measured by an outer ``saved_tensors_hooks``, which also sees what compiled graphs save, so it compares
+    checkpointing under torch.compile with eager. ``step()`` returns the loss.
+
+    Example:
+        >>> model = torch.nn.Linear(64, 64)
+        >>> saved_bytes(lambda: model(torch.randn(8, 64)).relu().sum(), model.parameters()) > 0
+        True
+    """
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return sum(seen.values())
