@@ -51,7 +51,7 @@ def user_module(tmp_path):
 
 def test_demo_modes_agree_bitwise_and_save_memory():
     cfg = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64)
-    results, prof = run_demo(cfg, 4, steps=2, budget=0.6)
+    results, prof, plan = run_demo(cfg, 4, steps=2, budget=0.6)
     plain = results[0]
     assert [r.name for r in results] == ["no checkpointing", "every block", "save_matmuls", "plan at 60%"]
     for r in results[1:]:

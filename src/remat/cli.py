@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .planner import DEFAULT_ALLOW
+
 __all__ = ["main"]
 
 
@@ -76,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("profiling and training", total=args.steps * 4)
-        results, prof = run_demo(cfg, args.batch_size, args.steps, args.seed, args.budget,
+        results, prof, plan = run_demo(cfg, args.batch_size, args.steps, args.seed, args.budget,
                                  on_step=lambda: progress.advance(task))
     base = results[0]
     table = Table(title="one training step (forward + backward) of the demo GPT")
@@ -93,8 +95,8 @@ def _demo(args: argparse.Namespace) -> int:
             f"{r.max_grad_diff(base):.3g}",
         )
     console.print(table)
-    plan_row = results[-1]
-    console.print(f"{plan_row.name}: " + " ".join(f"{r.name}={d}" for r, d in zip(prof.rows, plan_row.decisions)))
+    console.print(f"{results[-1].name}, per block (kept: bytes held from forward to backward):")
+    console.print(str(plan), markup=False, highlight=False)
     console.print(
         "Peaks are MemTracker's whole-step figures (parameters, gradients, activations and tensors recomputed "
         "in backward); step time is the median after the first step."
@@ -176,7 +178,8 @@ def _profile_of(args: argparse.Namespace):
 
     model, inputs, kwargs = _model_and_inputs(args)
     try:
-        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None), **kwargs)
+        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
+                       ops="selective" in getattr(args, "allow", ()), **kwargs)
     except ValueError as error:
         raise UserError(str(error)) from error
     except RuntimeError as error:
@@ -311,8 +314,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--budget", type=_budget, required=True, nargs="+",
                       help="whole-step peak as a size (8GiB, 512MB) or a fraction of the unplanned peak above "
                            "parameters (0.5 or 50%%); several budgets are planned from one profile")
-    plan.add_argument("--allow", nargs="+", default=["checkpoint", "save_matmuls", "offload"],
-                      choices=["checkpoint", "save_matmuls", "offload"], help="options the plan may use")
+    plan.add_argument("--allow", nargs="+", default=list(DEFAULT_ALLOW), choices=list(DEFAULT_ALLOW),
+                      help="options the plan may use (selective: keep chosen op outputs of a block, recompute "
+                           "the rest)")
     plan.add_argument("-o", "--output", help="write the plan as JSON")
     plan.set_defaults(run=_plan_cmd)
 

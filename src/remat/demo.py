@@ -4,7 +4,7 @@ Every mode starts from the same weights and sees the same batches and the
 same dropout masks, so their losses and gradients must agree exactly; what
 differs is peak memory and step time.  Modes: no checkpointing, every block
 checkpointed, every block with ``save_matmuls``, and the planner's plan at a
-budget.
+budget, which may keep chosen op outputs of a block (``selective``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .memory import format_bytes, measure_step
 from .models import GPT, Block, GPTConfig, synthetic_batch
 from .modules import apply_activation_checkpointing
-from .planner import InfeasibleBudget, plan_from_profile
+from .planner import InfeasibleBudget, Plan, block_options, plan_from_profile
 from .policies import save_matmuls
 from .profile import Profile, live_bytes_timeline
 from .profile import profile as run_profile
@@ -35,6 +35,7 @@ class ModeResult:
 
     name: str
     decisions: list[str]
+    kept: list[int]
     peak_total: int
     peak_above_params: int
     step_times: list[float]
@@ -63,7 +64,10 @@ def _loss_fn(targets: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _modes(prof: Profile, budget: float | int | str) -> dict[str, Callable[[GPT], list[str]]]:
+_PLAN_OPTIONS = ("checkpoint", "save_matmuls", "selective")
+
+
+def _modes(prof: Profile, budget: float | int | str) -> tuple[dict[str, Callable[[GPT], list[str]]], Plan]:
     n = len(prof.rows)
     is_block = lambda m: isinstance(m, Block)  # noqa: E731
 
@@ -79,21 +83,22 @@ def _modes(prof: Profile, budget: float | int | str) -> dict[str, Callable[[GPT]
         return ["save_matmuls"] * n
 
     try:
-        plan = plan_from_profile(prof, budget, allow=("checkpoint", "save_matmuls"))
+        plan = plan_from_profile(prof, budget, allow=_PLAN_OPTIONS)
         label = f"plan at {budget:.0%}" if isinstance(budget, float) and budget <= 1 else f"plan at {budget}"
     except InfeasibleBudget as error:
         # The demo shows the planner at work rather than failing: plan at the smallest peak it can reach.
-        plan = plan_from_profile(prof, error.smallest, allow=("checkpoint", "save_matmuls"))
+        plan = plan_from_profile(prof, error.smallest, allow=_PLAN_OPTIONS)
         label = f"plan at {format_bytes(error.smallest - plan.param_bytes)} (smallest feasible)"
 
     def planned(model: GPT) -> list[str]:
         plan.apply(model)
         return list(plan.decisions.values())
 
-    return {"no checkpointing": plain, "every block": every_block, "save_matmuls": selective, label: planned}
+    modes = {"no checkpointing": plain, "every block": every_block, "save_matmuls": selective, label: planned}
+    return modes, plan
 
 
-def _train(name: str, model: GPT, decisions: list[str], batches: list, seed: int,
+def _train(name: str, model: GPT, decisions: list[str], kept: list[int], batches: list, seed: int,
            on_step: Callable[[], None]) -> ModeResult:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, grads, times = [], [], []
@@ -117,7 +122,8 @@ def _train(name: str, model: GPT, decisions: list[str], batches: list, seed: int
     memory = measure_step(one_step, model)
     timeline = live_bytes_timeline(one_step, *model.parameters(), tokens, targets)
     model.zero_grad(set_to_none=True)
-    return ModeResult(name, decisions, memory.peak_total, memory.peak_above_params, times, losses, grads, timeline)
+    return ModeResult(name, decisions, kept, memory.peak_total, memory.peak_above_params, times, losses, grads,
+                      timeline)
 
 
 def run_demo(
@@ -127,11 +133,11 @@ def run_demo(
     seed: int = 0,
     budget: float | int | str = 0.5,
     on_step: Callable[[], None] = lambda: None,
-) -> tuple[list[ModeResult], Profile]:
-    """Train ``steps`` steps per mode from identical starting points; return the measurements and profile.
+) -> tuple[list[ModeResult], Profile, Plan]:
+    """Train ``steps`` steps per mode from identical starting points; return the measurements, profile and plan.
 
     Example:
-        >>> results, prof = run_demo(GPTConfig(n_layers=2, seq_len=32), batch_size=2, steps=2)
+        >>> results, prof, plan = run_demo(GPTConfig(n_layers=2, seq_len=32), batch_size=2, steps=2)
         >>> results[1].max_grad_diff(results[0])
         0.0
     """
@@ -141,21 +147,23 @@ def run_demo(
     batches = [synthetic_batch(cfg, batch_size, generator) for _ in range(steps)]
     tokens, targets = batches[0]
     prof = run_profile(copy.deepcopy(reference), tokens, loss_fn=_loss_fn(targets))
+    modes, plan = _modes(prof, budget)
     results = []
-    for name, prepare in _modes(prof, budget).items():
+    for name, prepare in modes.items():
         model = copy.deepcopy(reference)
         decisions = prepare(model)
-        results.append(_train(name, model, decisions, batches, seed, on_step))
-    return results, prof
+        results.append(_train(name, model, decisions, _kept_by_block(prof, plan, decisions), batches, seed, on_step))
+    return results, prof, plan
 
 
-def kept_by_block(prof: Profile, decisions: list[str]) -> list[int]:
-    """Bytes each block keeps through the step under the given decisions (from the profile's options)."""
-    from .planner import block_options
-
+def _kept_by_block(prof: Profile, plan: Plan, decisions: list[str]) -> list[int]:
+    """Bytes each block keeps through the step under the given decisions (a selective block's from the plan)."""
     options = block_options(prof, ("checkpoint", "save_matmuls"))
     kept = []
     for row, choices, decision in zip(prof.rows, options, decisions):
+        if decision == "selective":
+            kept.append(plan.blocks[row.name]["kept"])
+            continue
         option = next(o for o in choices if o.name == decision)
         kept.append(option.kept + (row.act_bytes - row.own_bytes if decision == "keep" else 0))
     return kept
@@ -172,7 +180,7 @@ def plot(results: list[ModeResult], prof: Profile, path: str) -> None:
     n = len(prof.rows)
     width = 0.8 / len(results)
     for k, result in enumerate(results):
-        kept = [b / 2**20 for b in kept_by_block(prof, result.decisions)]
+        kept = [b / 2**20 for b in result.kept]
         bars.bar([i + k * width for i in range(n)], kept, width, label=result.name)
         lines.plot([b / 2**20 for b in result.timeline], label=result.name, linewidth=1.2)
     bars.set_xticks([i + 0.4 - width / 2 for i in range(n)], [r.name for r in prof.rows], rotation=30)

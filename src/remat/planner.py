@@ -12,6 +12,8 @@ option             kept own bytes                               extra time
 ``checkpoint``     its own inputs                               measured: recompute + wrapper overhead
 ``save_matmuls``   its own inputs + matmul outputs              measured: recompute without matmuls +
                                                                 the policy's dispatch overhead
+``selective``      its own inputs + chosen op outputs           predicted from the block's op-level front,
+                                                                on the scale of its measured checkpoint
 ``offload``        its own inputs (activations on host)         copy time (accelerators only)
 =================  ===========================================  ===========================================
 
@@ -39,13 +41,15 @@ from torch import nn
 
 from .memory import format_bytes, parse_bytes
 from .modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
+from .oppolicy import BlockPolicy
 from .policies import save_matmuls
 from .profile import Profile
 from .profile import profile as run_profile
 
 __all__ = ["BlockOption", "InfeasibleBudget", "Plan", "block_options", "plan", "plan_from_profile", "predict_peak"]
 
-OPTIONS = ("keep", "checkpoint", "save_matmuls", "offload")
+OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload")
+DEFAULT_ALLOW = OPTIONS[1:]
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice
 
 
@@ -87,7 +91,8 @@ class BlockOption:
     forward to its backward.  ``recomputes``: the block is checkpointed, so it holds its inputs until its
     backward and reruns there, raising that backward by ``transient`` bytes above the live bytes at its
     start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
-    the built-in options, installed by name).
+    the built-in options, installed by name).  ``policy``: the op-level decisions of a ``selective`` option
+    (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known.
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -100,19 +105,29 @@ class BlockOption:
     transient: int = 0
     recomputes: bool = False
     wrap: Callable[[nn.Module], nn.Module] | None = field(default=None, compare=False)
+    policy: BlockPolicy | None = field(default=None, compare=False)
+    recomputed_ops: int | None = field(default=None, compare=False)
 
 
-def block_options(prof: Profile, allow: Sequence[str] = OPTIONS[1:]) -> list[list[BlockOption]]:
+def block_options(prof: Profile, allow: Sequence[str] = DEFAULT_ALLOW) -> list[list[BlockOption]]:
     """The options of every block (``keep`` first), as the planner sees them.
+
+    ``selective`` options come from the profile's op graphs (``prof.ops``, recorded by
+    ``remat.profile(..., ops=True)``); without them a plan chooses among the other options.
 
     Example:
         >>> [o.name for o in block_options(prof)[0]]
-        ['keep', 'checkpoint', 'save_matmuls']
+        ['keep', 'checkpoint', 'save_matmuls', 'selective', 'selective', ...]
     """
-    unknown = set(allow) - set(OPTIONS[1:])
+    unknown = set(allow) - set(DEFAULT_ALLOW)
     if unknown:
-        raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(OPTIONS[1:])}.")
+        raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(DEFAULT_ALLOW)}.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
+    selective = {}
+    if "selective" in allow and prof.ops is not None:
+        from .opoptions import selective_options
+
+        selective = selective_options(prof, prof.ops)
     per_block = []
     for row in prof.rows:
         choices = [BlockOption("keep", row.own_bytes)]
@@ -123,6 +138,7 @@ def block_options(prof: Profile, allow: Sequence[str] = OPTIONS[1:]) -> list[lis
             # them, like the forward's temporaries that recompute_bytes already counts.
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
                                        row.recompute_bytes, True))
+        choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
             choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))
@@ -222,9 +238,12 @@ def _resolve_options(prof: Profile, allow: Sequence[str], options: list[list[Blo
     return options
 
 
-def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] = OPTIONS[1:],
+def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] = DEFAULT_ALLOW,
                  options: list[list[BlockOption]] | None = None) -> int:
     """The cost model's whole-step peak for one decision (an option name) per block, in profile order.
+
+    A name several options share (``selective``) means the first of them; :meth:`Plan.predicted_peak` of a
+    plan is computed from the options it chose.
 
     Example:
         >>> predict_peak(prof, ["keep"] * len(prof.rows)) == prof.peak_bytes
@@ -236,8 +255,12 @@ def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] =
         match = [o for o in choices if o.name == name]
         if not match:
             raise ValueError(f"remat.plan: {name!r} is not an option of {row.name}; it has "
-                             f"{[o.name for o in choices]}.")
+                             f"{sorted({o.name for o in choices})}.")
         chosen.append(match[0])
+    return _peak(prof, chosen)
+
+
+def _peak(prof: Profile, chosen: Sequence[BlockOption]) -> int:
     accounting = _Accounting(prof)
     peak, freed, mask = 0, 0, 0
     for p in range(accounting.n + 1):
@@ -387,7 +410,7 @@ def _resolve_budget(prof: Profile, budget: int | float | str) -> int:
 def plan_from_profile(
     prof: Profile,
     budget: int | float | str,
-    allow: Sequence[str] = ("checkpoint", "save_matmuls", "offload"),
+    allow: Sequence[str] = DEFAULT_ALLOW,
     options: list[list[BlockOption]] | None = None,
 ) -> Plan:
     """Solve the plan for an existing profile (see :func:`plan`); ``prof.plan(budget)`` is the same call.
@@ -407,18 +430,28 @@ def plan_from_profile(
         raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options), prof.param_bytes + prof.buffer_bytes,
                               prof.peak_above_params, budget)
     chosen = [choices[i] for choices, i in zip(options, indices)]
-    names = [o.name for o in chosen]
     result = Plan(
-        decisions={row.name: name for row, name in zip(prof.rows, names)},
-        predicted_peak=predict_peak(prof, names, allow, options),
+        decisions={row.name: o.name for row, o in zip(prof.rows, chosen)},
+        predicted_peak=_peak(prof, chosen),
         predicted_extra_time=sum(o.extra_time for o in chosen),
         budget=budget_bytes,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
         step_time=prof.step_time,
+        policies={row.name: o.policy.to_dict() for row, o in zip(prof.rows, chosen) if o.policy is not None},
+        blocks={row.name: _summary(row.own_bytes, o) for row, o in zip(prof.rows, chosen)},
     )
-    result._wrappers = {o.name: o.wrap for o in chosen if o.wrap is not None}
+    result._wrappers = {row.name: o.wrap for row, o in zip(prof.rows, chosen) if o.wrap is not None}
     return result
+
+
+def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
+    """What ``print(plan)`` shows of one block: bytes it keeps of its own, extra time, ops it reruns."""
+    summary: dict[str, Any] = {"kept": option.kept if option.name != "keep" else own_bytes,
+                               "extra_time": option.extra_time}
+    if option.recomputed_ops is not None:
+        summary["recomputed_ops"] = option.recomputed_ops
+    return summary
 
 
 def plan(
@@ -426,15 +459,17 @@ def plan(
     *example_inputs: Any,
     budget: int | float | str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    allow: Sequence[str] = ("checkpoint", "save_matmuls", "offload"),
+    allow: Sequence[str] = DEFAULT_ALLOW,
     modules: Sequence[str] | None = None,
     **example_kwargs: Any,
 ) -> Plan:
     """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
 
     ``budget``: bytes, a size string (``"8GiB"``, ``"512MB"``) for the whole peak, or a fraction (``0.5``)
-    of the unplanned step's peak above the parameters.  ``offload`` is only considered on an accelerator.
-    For several budgets, profile once and call ``prof.plan(budget)`` for each.
+    of the unplanned step's peak above the parameters.  ``allow`` lists the options a block may take
+    besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective`` (op-level: keep chosen op outputs of
+    the block, recompute the rest; needs one more forward to record the op graphs) and ``offload`` (only
+    considered on an accelerator).  For several budgets, profile once and call ``prof.plan(budget)`` for each.
 
     Example:
         >>> p = remat.plan(model, input_ids=ids, labels=ids, budget=0.5)   # Hugging Face: .loss is the loss
@@ -444,13 +479,24 @@ def plan(
     if any(isinstance(m, ActivationWrapper) for m in model.modules()):
         raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
                          "(plan.remove(model)) so the profile sees the step without checkpointing.")
-    prof = run_profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, **example_kwargs)
+    prof = run_profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
+                       **example_kwargs)
     return plan_from_profile(prof, budget, allow)
 
 
 @dataclass
 class Plan:
-    """One decision per candidate module, with the predicted peak and extra time."""
+    """One decision per candidate module, with the predicted peak and extra time.
+
+    ``decisions`` maps each module's qualified name to its option; a ``selective`` block's op-level
+    decisions are in ``policies`` (``{"mode", "ops": [{"op", "call", "bytes", "decision"}, ...]}``, see
+    :class:`~remat.oppolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
+    Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
+
+    Example:
+        >>> p = prof.plan(0.5); p.save("plan.json")
+        >>> remat.Plan.load("plan.json").apply(model)
+    """
 
     decisions: dict[str, str]
     predicted_peak: int
@@ -460,33 +506,52 @@ class Plan:
     param_bytes: int
     step_time: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # installers of custom options
+        self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
+
+    def _installer(self, name: str, decision: str) -> tuple[Callable[[nn.Module], nn.Module], Any]:
+        """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
+        if name in self.policies:
+            policy = BlockPolicy.from_dict(self.policies[name])
+            return policy.wrap, (decision, policy.to_dict())
+        wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
+        if wrap is None:
+            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
+                             "JSON knows only the built-in options and op-level policies; rebuild it from the "
+                             "profile and options.")
+        return wrap, (decision, None)
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Wrap the planned modules in place (idempotent; a changed plan re-wraps). Returns ``model``."""
+        """Wrap the planned modules in place (idempotent; a changed plan re-wraps). Returns ``model``.
+
+        Example:
+            >>> plan.apply(model)
+        """
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)
             wrapped = isinstance(current, ActivationWrapper)
-            if wrapped and getattr(current, "_remat_decision", None) == decision:
-                continue
             inner = current._checkpoint_wrapped_module if wrapped else current
             if decision == "keep":
                 setattr(parent, child, inner)
                 continue
-            wrap = self._wrappers.get(decision) or _WRAPPERS.get(decision)
-            if wrap is None:
-                raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
-                                 "JSON knows only the built-in options; rebuild it from the profile and options.")
+            wrap, identity = self._installer(name, decision)
+            if wrapped and getattr(current, "_remat_decision", None) == identity:
+                continue
             inner._remat_path = name
             wrapper = wrap(inner)
-            wrapper._remat_decision = decision
+            wrapper._remat_decision = identity
             setattr(parent, child, wrapper)
         return model
 
     def remove(self, model: nn.Module) -> nn.Module:
-        """Undo :meth:`apply`. Returns ``model``."""
+        """Undo :meth:`apply`. Returns ``model``.
+
+        Example:
+            >>> plan.remove(model)
+        """
         for name in self.decisions:
             parent, child, current = _locate(model, name)
             if isinstance(current, ActivationWrapper):
@@ -494,13 +559,21 @@ class Plan:
         return model
 
     def save(self, path: str) -> None:
-        """Write the plan as JSON keyed by module qualified names."""
+        """Write the plan as JSON keyed by module qualified names.
+
+        Example:
+            >>> plan.save("plan.json")
+        """
         with open(path, "w") as f:
             json.dump({f.name: getattr(self, f.name) for f in fields(self)}, f, indent=2)
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        """Read a plan written by :meth:`save`."""
+        """Read a plan written by :meth:`save`.
+
+        Example:
+            >>> remat.Plan.load("plan.json").apply(model)
+        """
         with open(path) as f:
             return cls(**json.load(f))
 
@@ -509,8 +582,15 @@ class Plan:
         for decision in self.decisions.values():
             counts[decision] = counts.get(decision, 0) + 1
         width = max([len(n) for n in self.decisions] + [6])
-        lines = [f"{'module':<{width}}  decision", "-" * (width + 14)]
-        lines += [f"{name:<{width}}  {decision}" for name, decision in self.decisions.items()]
+        lines = [f"{'module':<{width}}  {'decision':<12} {'kept':>10} {'extra ms':>9} {'ops rerun':>9}  keeps",
+                 "-" * (width + 60)]
+        for name, decision in self.decisions.items():
+            block = self.blocks.get(name, {})
+            kept = format_bytes(block["kept"]) if "kept" in block else ""
+            extra = f"{block['extra_time'] * 1e3:.1f}" if "extra_time" in block else ""
+            rerun = str(block.get("recomputed_ops", ""))
+            lines.append(f"{name:<{width}}  {decision:<12} {kept:>10} {extra:>9} {rerun:>9}  "
+                         f"{_kept_ops(self.policies.get(name))}".rstrip())
         summary = ", ".join(f"{count} {option}" for option, count in counts.items() if count)
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
@@ -521,6 +601,16 @@ class Plan:
             + (f" (+{self.predicted_extra_time / self.step_time:.0%})" if self.step_time else "")
         )
         return "\n".join(lines)
+
+
+def _kept_ops(policy: dict[str, Any] | None, shown: int = 4) -> str:
+    """The largest op outputs a selective policy keeps, as ``op#call``."""
+    if not policy:
+        return ""
+    kept = sorted((d for d in policy["ops"] if d["decision"] == "keep"), key=lambda d: -d["bytes"])
+    names = [f"{d['op'].split('.')[1]}#{d['call']}" for d in kept[:shown]]
+    more = f" +{len(kept) - shown} more" if len(kept) > shown else ""
+    return ", ".join(names) + more
 
 
 def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:

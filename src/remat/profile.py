@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ from .policies import MATMUL_OPS
 from .state import tensor_leaves
 
 if TYPE_CHECKING:
+    from .opgraph import OpProfile
     from .planner import Plan
 
 __all__ = [
@@ -129,13 +130,14 @@ class Profile:
     estimated_time: bool = False
     notes: list[str] = field(default_factory=list)
     shared: list[SharedTensor] = field(default_factory=list)
+    ops: OpProfile | None = field(default=None, repr=False)
 
     @property
     def peak_above_params(self) -> int:
         return self.peak_bytes - self.param_bytes - self.buffer_bytes
 
-    def plan(self, budget: int | float | str, allow: Sequence[str] = ("checkpoint", "save_matmuls", "offload")
-             ) -> Plan:
+    def plan(self, budget: int | float | str,
+             allow: Sequence[str] = ("checkpoint", "save_matmuls", "selective", "offload")) -> Plan:
         """The cheapest plan for ``budget`` from this profile: no new measurement, milliseconds.
 
         Example:
@@ -148,7 +150,8 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
-        out = asdict(self)
+        out = asdict(replace(self, ops=None))
+        out.pop("ops")
         out["peak_above_params"] = self.peak_above_params
         return out
 
@@ -382,13 +385,16 @@ def profile(
     device: str | None = None,
     throughput: float = 100e12,
     repeats: int = 5,
+    ops: bool = True,
     **example_kwargs: Any,
 ) -> Profile:
     """Profile training steps of ``model(*example_inputs, **example_kwargs)`` (no checkpointing).
 
     ``loss_fn(output)`` turns the output into a scalar (default: the output's ``.loss``, as Hugging Face
     models return when given ``labels=``, or the sum of its floating tensors).  Gradients are left as they
-    were before the call.  Forward times are the median of ``repeats`` interleaved timings.
+    were before the call.  Forward times are the median of ``repeats`` interleaved timings.  ``ops=True``
+    also records each block's op graph (:func:`remat.profile_ops`, one more forward) into ``.ops``, from
+    which plans draw their op-level ``selective`` options.
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
     (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
@@ -411,7 +417,20 @@ def profile(
 
     inputs = list(tensor_leaves((example_inputs, example_kwargs)))
     if device == "meta":
-        return _profile_on_meta(model, step, inputs, blocks, throughput)
+        result = _profile_on_meta(model, step, inputs, blocks, throughput)
+    else:
+        result = _profile_measured(model, example_inputs, example_kwargs, blocks, step, loss_fn, inputs, repeats)
+    if ops:
+        from .opgraph import profile_ops
+
+        result.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
+                                 throughput=throughput, **example_kwargs)
+    return result
+
+
+def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
+                      blocks: list[tuple[str, nn.Module]], step: Callable[[], torch.Tensor],
+                      loss_fn: Callable[[Any], torch.Tensor], inputs: list[torch.Tensor], repeats: int) -> Profile:
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
     try:

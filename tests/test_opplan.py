@@ -1,0 +1,117 @@
+"""Plans with op-level ``selective`` blocks: exact memory, plain gradients, readable and reloadable."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_bitwise
+
+import remat
+from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.planner import block_options
+
+
+@pytest.fixture(scope="module")
+def case():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=3, d_model=64, n_heads=4, seq_len=64, vocab_size=128, dropout=0.1)
+    model = GPT(cfg)
+    tokens, targets = synthetic_batch(cfg, 4)
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=1)
+    return model, tokens, loss_fn, prof
+
+
+def _step(model, tokens, loss_fn):
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(tokens)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _peak(model, tokens, loss_fn):
+    peak = remat.measure_step(lambda: loss_fn(model(tokens)).backward(), model).peak_above_params
+    model.zero_grad(set_to_none=True)
+    return peak
+
+
+def test_selective_options_come_from_the_op_graphs(case):
+    model, tokens, loss_fn, prof = case
+    assert set(prof.ops.blocks) == {row.name for row in prof.rows}
+    for row, choices in zip(prof.rows, block_options(prof)):
+        selective = [o for o in choices if o.name == "selective"]
+        assert selective, row.name
+        held = next(o for o in choices if o.name == "checkpoint").kept
+        for option in selective:
+            # Between checkpointing and keeping: more than the inputs, less than plain autograd keeps.
+            assert held < option.kept < row.own_bytes
+            assert option.recomputes and option.policy.mode == "selective" and option.policy.kept
+            assert option.kept - held == option.policy.kept_bytes
+    assert not any(o.name == "selective" for c in block_options(prof, ("checkpoint",)) for o in c)
+    without_ops = remat.profile(model, tokens, loss_fn=loss_fn, repeats=1, ops=False)
+    assert without_ops.ops is None
+    assert not any(o.name == "selective" for c in block_options(without_ops) for o in c)
+
+
+@pytest.mark.parametrize("budget", [0.45, 0.65])
+def test_selective_plans_keep_the_predicted_bytes_and_plain_gradients(case, budget):
+    model, tokens, loss_fn, prof = case
+    reference = _step(model, tokens, loss_fn)
+    # Without plain checkpointing a block below the budget can only be selective: memory decides, not timing.
+    plan = prof.plan(budget, allow=("selective",))
+    assert "selective" in plan.decisions.values()
+    plan.apply(model)
+    try:
+        assert_bitwise(_step(model, tokens, loss_fn), reference)
+        measured = _peak(model, tokens, loss_fn)
+    finally:
+        plan.remove(model)
+    predicted = plan.predicted_peak - plan.param_bytes
+    assert abs(measured - predicted) <= 0.01 * predicted, (plan.decisions, measured, predicted)
+    assert plan.predicted_peak <= plan.budget
+
+
+def test_saved_plan_records_per_op_decisions_and_reapplies(case, tmp_path):
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.45, allow=("selective",))
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    data = json.loads(path.read_text())
+    selective = [name for name, decision in data["decisions"].items() if decision == "selective"]
+    assert selective and set(data["policies"]) == set(selective)
+    for name in selective:
+        ops = data["policies"][name]["ops"]
+        assert {"op", "call", "bytes", "decision"} <= set(ops[0])
+        kept = sum(d["bytes"] for d in ops if d["decision"] == "keep")
+        assert kept > 0 and plan.blocks[name]["kept"] > kept
+    loaded = remat.Plan.load(str(path))
+    assert loaded.policies == plan.policies and loaded.blocks == plan.blocks
+    reference = _step(model, tokens, loss_fn)
+    loaded.apply(model)
+    try:
+        installed = {name: model.get_submodule(name)._remat_block_policy for name in selective}
+        assert all(installed[n] == remat.BlockPolicy.from_dict(plan.policies[n]) for n in selective)
+        loaded.apply(model)  # idempotent: the same wrappers stay
+        assert all(model.get_submodule(n)._remat_block_policy is installed[n] for n in selective)
+        assert_bitwise(_step(model, tokens, loss_fn), reference)
+    finally:
+        loaded.remove(model)
+    assert not any(isinstance(m, remat.ActivationWrapper) for m in model.modules())
+
+
+def test_printed_plan_summarises_each_block(case):
+    _, _, _, prof = case
+    plan = prof.plan(0.45, allow=("selective",))
+    text = str(plan)
+    for name, decision in plan.decisions.items():
+        line = next(line for line in text.splitlines() if line.startswith(name + " "))
+        assert decision in line
+        if decision == "selective":
+            assert str(plan.blocks[name]["recomputed_ops"]) in line and "#" in line  # ops rerun, kept op#call
+    assert "Predicted peak" in text
