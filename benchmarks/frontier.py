@@ -87,16 +87,23 @@ def eager_variants(work: Workload) -> tuple[dict[str, nn.Module], dict[str, str]
     variants["save_matmuls"] = _wrapped(work, policy=remat.policies.save_matmuls)
     prof = remat.profile(work.model, *work.inputs, loss_fn=work.loss_fn)
     notes = {}
+    families = {"remat.plan": ("checkpoint", "save_matmuls", "selective"),
+                "remat.plan blocks only": ("checkpoint", "save_matmuls")}
     for fraction in PLAN_FRACTIONS:
-        label = f"remat.plan {fraction:.0%}"
-        try:
-            plan = plan_from_profile(prof, fraction)
-        except InfeasibleBudget as error:
-            notes[label] = f"refused: {error}"
-            continue
-        variants[label] = plan.apply(copy.deepcopy(work.model))
-        notes[label] = " ".join(plan.decisions[name][0].upper() for name in plan.decisions)
+        for family, allow in families.items():
+            label = f"{family} {fraction:.0%}"
+            try:
+                plan = plan_from_profile(prof, fraction, allow=allow)
+            except InfeasibleBudget as error:
+                notes[label] = f"refused: {error}"
+                continue
+            variants[label] = plan.apply(copy.deepcopy(work.model))
+            letters = "".join(_LETTERS[d] for d in plan.decisions.values())
+            notes[label] = f"{letters}, predicted ×{1 + plan.predicted_extra_time / prof.step_time:.2f}"
     return variants, notes
+
+
+_LETTERS = {"keep": "K", "checkpoint": "C", "save_matmuls": "M", "selective": "S", "offload": "O"}
 
 
 def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: int, warmup: int) -> dict:
