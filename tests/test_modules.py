@@ -1,11 +1,16 @@
 """Module wrappers: equal gradients, unchanged names, no double checkpoint."""
 
+import copy
+
 import pytest
 import torch
 from helpers import assert_bitwise, backward_grads
+from torch import nn
 
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
+from remat.modules import CheckpointImpl, checkpoint_wrapper
+from remat.oppolicy import BlockPolicy, OpDecision
 
 CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, vocab_size=64)
 
@@ -105,3 +110,49 @@ def test_mismatch_in_a_wrapped_block_names_its_path():
     loss = model.loss(tokens, targets)
     with pytest.raises(remat.CheckpointError, match="at 'blocks.1'"):
         loss.backward()
+
+
+class _ConvBN(nn.Module):
+    """Conv, BatchNorm (running statistics and a batch counter) and an in-place ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return x + self.act(self.bn(self.conv(x)))
+
+
+def _bn_step(model, backwards=1):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    loss = model(x).square().sum()
+    for i in range(backwards):
+        loss.backward(retain_graph=i + 1 < backwards)
+    return [b.clone() for b in model.buffers()], [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "selective"])
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_recomputation_updates_batchnorm_statistics_once(how, backwards):
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ConvBN(), _ConvBN()).train()
+    wrapped = copy.deepcopy(plain)
+    for i in range(2):
+        if how == "selective":
+            # keep the convolution, recompute the normalization: its recomputation must not count twice
+            policy = BlockPolicy(
+                "selective", [OpDecision("aten.convolution.default", 0, 0, "keep")])
+            wrapped[i] = policy.wrap(wrapped[i])
+        else:
+            impl = CheckpointImpl.REENTRANT if how == "reentrant" else CheckpointImpl.NO_REENTRANT
+            wrapped[i] = checkpoint_wrapper(wrapped[i], checkpoint_impl=impl)
+    if how == "reentrant" and backwards > 1:
+        pytest.skip("the reentrant variant supports a single backward")
+    want_buffers, want_grads = _bn_step(plain, backwards)
+    got_buffers, got_grads = _bn_step(wrapped, backwards)
+    assert_bitwise(got_buffers, want_buffers)
+    assert_bitwise(got_grads, want_grads)
+    assert int(plain[0].bn.num_batches_tracked) == 1

@@ -8,7 +8,6 @@ budget (measured within 5%), and a budget is refused only when checkpointing eve
 
 import copy
 import fnmatch
-import os
 
 import pytest
 import torch
@@ -19,12 +18,7 @@ import remat
 from remat.discovery import candidate_modules
 from remat.planner import InfeasibleBudget, plan_from_profile, predict_peak
 
-FAST = ("llama", "t5", "mobilenet_v3_small")
-EVERY = os.environ.get("REMAT_ZOO") == "all"
-MODELS = [
-    pytest.param(name, marks=() if EVERY or name in FAST else pytest.mark.skip(reason="whole zoo: REMAT_ZOO=all"))
-    for name in zoo.BUILDERS
-]
+MODELS = zoo.model_params()
 BUDGETS = (0.3, 0.5, 0.7)
 
 _cache: dict[str, tuple] = {}
@@ -44,10 +38,8 @@ def _measure(case, plan=None):
     if plan is not None:
         plan.apply(case.model)
     try:
-        case.model.zero_grad(set_to_none=True)
-        return remat.measure_step(lambda: case.loss().backward(), case.model).peak_above_params
+        return zoo.peak_above_params(case)
     finally:
-        case.model.zero_grad(set_to_none=True)
         if plan is not None:
             plan.remove(case.model)
 

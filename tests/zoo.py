@@ -189,8 +189,32 @@ def mobilenet() -> ZooCase:
                      "InvertedResidual", 11)
 
 
+def peak_above_params(case: ZooCase) -> int:
+    """MemTracker's whole-step peak above parameters and buffers for one forward and backward of ``case``."""
+    import remat
+
+    case.model.zero_grad(set_to_none=True)
+    try:
+        return remat.measure_step(lambda: case.loss().backward(), case.model).peak_above_params
+    finally:
+        case.model.zero_grad(set_to_none=True)
+
+
 BUILDERS: dict[str, Callable[[], ZooCase]] = {
     "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "whisper": whisper,
     "vit": vit, "convnext_atto": convnext, "swin": swin, "efficientnet_b0": efficientnet,
     "resnet18": resnet18, "mobilenet_v3_small": mobilenet,
 }
+
+FAST = ("llama", "t5", "mobilenet_v3_small")  # what CI runs; REMAT_ZOO=all runs every model
+
+
+def model_params() -> list:
+    """One pytest parameter per zoo model, the ones outside FAST skipped unless REMAT_ZOO=all."""
+    import os
+
+    import pytest
+
+    every = os.environ.get("REMAT_ZOO") == "all"
+    skip = pytest.mark.skip(reason="whole zoo: REMAT_ZOO=all")
+    return [pytest.param(name, marks=() if every or name in FAST else skip) for name in BUILDERS]

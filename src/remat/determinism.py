@@ -69,6 +69,9 @@ def describe_function(fn: Any) -> str:
     """
     if isinstance(fn, functools.partial):
         return describe_function(fn.func)
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is not None:
+        return describe_function(wrapped)
     owner = getattr(fn, "__self__", None)
     if isinstance(owner, torch.nn.Module):
         return f"{describe_function(owner)} ({fn.__name__})"
