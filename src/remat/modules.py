@@ -126,6 +126,9 @@ class _KeepsStateOnce:
         module = self.__wrapped__
         if self.written is None:
             buffers = list(module.buffers())
+            if not buffers:  # nothing a forward could update (most transformer blocks)
+                self.written = []
+                return module(*args, **kwargs)
             versions = [b._version for b in buffers]
             out = module(*args, **kwargs)
             self.written = [b for b, v in zip(buffers, versions) if b._version != v]
