@@ -183,7 +183,7 @@ def main() -> None:
     print(f"\nfront of the demo block: {result['front_points']} points (16 shown)")
     print(result["front_table"])
     print(f"\nprofile {result['profile_seconds']:.2f} s, fronts {result['front_seconds']:.3f} s; block forward "
-          f"{result['forward_ms']:.1f} ms, of which random ops (rerun by every checkpointed option) "
+          f"{result['forward_ms']:.1f} ms, of which random ops (rerun unless a point keeps them) "
           f"{result['random_ms']:.1f} ms")
     print(f"\nwhole step, every block at one point ({args.repeats} interleaved rounds, {args.threads} thread):")
     print(_rows_table(result))

@@ -216,6 +216,37 @@ def test_gpt_with_attention_and_save_matmuls_matches_torch():
     assert sizes[0] == sizes[1] < sizes[2], sizes
 
 
+def test_a_block_policy_keeping_dropout_draws_compiles_and_recomputes_them():
+    # An eager profile names dropout's in-place draws (bernoulli_); under dynamo dropout is native_dropout, and
+    # in-place ops are recomputed without asking the policy: the plan compiles, its kept draws are recomputed.
+    from remat.oppolicy import BlockPolicy, OpDecision, apply_block_policies
+
+    keeps_draw = BlockPolicy("selective", [OpDecision("aten.bernoulli_.float", 0, 64 * 16 * 4, "keep")])
+    ours = mlp()
+    apply_block_policies(ours, {"blocks.0": keeps_draw, "blocks.1": keeps_draw})
+    eager = run(ours, X)
+    compiled = compile_whole(ours, "aot_eager")
+    assert_bitwise(run(compiled, X)[1], run(mlp(), X)[1])
+    assert_bitwise(eager[1], run(mlp(), X)[1])
+    plain_ckpt = compile_whole(remat_wrapped(mlp()), "aot_eager")
+    assert saved_bytes(lambda: compiled(X).pow(2).mean(), compiled.parameters()) == \
+        saved_bytes(lambda: plain_ckpt(X).pow(2).mean(), plain_ckpt.parameters())
+
+    def draw_in_place(t):
+        h = t @ t.t()
+        return (h * torch.empty_like(h).bernoulli_(0.7)).sin()
+
+    keep = remat.policies.Policy(op_rule=lambda op: remat.CheckpointPolicy.MUST_SAVE
+                                 if op is torch.ops.aten.bernoulli_.float else None)
+    step = torch.compile(lambda t: remat.checkpoint(draw_in_place, t, policy=keep).sum(), backend="aot_eager",
+                         fullgraph=True)
+    x = X.clone().requires_grad_()
+    torch.manual_seed(3)
+    got = torch.autograd.grad(step(x), x)
+    torch.manual_seed(3)
+    assert_bitwise(got, torch.autograd.grad(draw_in_place(x).sum(), x))
+
+
 def test_reentrant_wrappers_and_checkpoint_sequential_compile_fullgraph():
     reentrant = compile_whole(remat_wrapped(mlp(), use_reentrant=True), "aot_eager")
     nonreentrant = compile_whole(remat_wrapped(mlp()), "aot_eager")

@@ -27,8 +27,9 @@ from remat.oppolicy import (
 )
 
 # Fixed machinery costs and CPU-like roofline times keep every front here independent of the machine's timing.
-FIXED = Overheads(region=2e-5, per_saved=1e-6, policy_forward=1e-6, policy_replay=5e-7)
 CPU_LIKE = {"throughput": 20e9, "bandwidth": 5e9}
+FIXED = Overheads(region=2e-5, per_saved=1e-6, policy_forward=1e-6, policy_replay=5e-7,
+                  copy_per_byte=2 / CPU_LIKE["bandwidth"])
 
 
 def _gpt_block():
@@ -43,7 +44,7 @@ def _mlp_block():
 
 
 class _Tiny(nn.Module):
-    """Eleven keepable ops, dropout and a residual: small enough to try every subset."""
+    """Twelve keepable ops (the dropout mask's draw among them) and a residual: small enough to try every subset."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -133,12 +134,12 @@ def test_front_is_monotone_and_ends_at_checkpoint_all_and_keep_all(build):
 def test_front_is_the_optimum_over_every_subset(seed):
     torch.manual_seed(seed)
     graph = _graph(_Tiny(), (4, 8))
-    assert len(graph.keepable) == 11
+    assert len(graph.keepable) == 12
     rng = random.Random(seed)
     if seed:  # arbitrary op times and machinery costs: the solver must be exact for any of them
         graph.nodes = [dataclasses.replace(n, kernel_time=rng.uniform(0, 1e-3), wall_time=rng.uniform(1e-3, 2e-3))
                        for n in graph.nodes]
-        graph.overheads = Overheads(*(rng.uniform(0, 1e-4) for _ in range(4)))
+        graph.overheads = Overheads(*(rng.uniform(0, 1e-4) for _ in range(4)), copy_per_byte=rng.uniform(0, 1e-9))
     front = block_front(graph)
     candidates = [evaluate(graph, "keep"), evaluate(graph, "checkpoint")]
     for k in range(1, len(graph.keepable) + 1):
@@ -174,21 +175,30 @@ def test_installed_points_match_autograd_bitwise_and_keep_the_predicted_bytes(bu
         assert _held_after_forward(wrapped, block, shape) == point.kept_bytes - point.input_bytes, point
 
 
-def test_dropout_is_random_and_rerun_and_the_recomputation_stops_at_the_last_saved_tensor():
+def test_dropout_draws_are_keepable_by_value_and_the_recomputation_stops_at_the_last_saved_tensor():
     block, shape = _gpt_block()
     graph = _graph(block, shape)
     random_ops = [n for n in graph.nodes if n.random]
     assert [n.op for n in random_ops] == ["aten.bernoulli_.float"] * 3
-    assert not set(graph.keepable) & {n.index for n in random_ops}
     # The masks' storages are written in place after they are made: keeping them would change the kept value.
     masks = [graph.nodes[n.needs[0]] for n in random_ops]
     assert all(m.op == "aten.empty_like.default" and m.mutated and m.index not in graph.keepable for m in masks)
+    # The draws are keepable, by value: a copy of the mask as bernoulli_ wrote it, as large as the mask.
+    for draw, mask in zip(random_ops, masks):
+        assert draw.kind == "alias" and draw.index in graph.keepable
+        assert draw.out_bytes == graph.copied_bytes(draw.index) == mask.out_bytes
+        # Keeping one saves its kernel and pays two copies of its bytes, forward's and recomputation's.
+        saved = evaluate(graph, "selective").extra_time - evaluate(graph, "selective", [draw.index]).extra_time
+        copies = 2 * draw.out_bytes * graph.overheads.copy_per_byte
+        assert saved == pytest.approx(draw.kernel_time - copies, rel=1e-9, abs=1e-15)
     # The last saved tensor is the final dropout's mask: its multiply and the residual add never rerun.
     assert [n.op for n in graph.nodes[graph.stop:]] == ["aten.mul.Tensor", "aten.add.Tensor"]
     everything = evaluate(graph, "selective", graph.keepable)
     assert everything.recomputed_ops == sum(1 for n in graph.nodes[:graph.stop] if n.index not in graph.keepable)
-    # With nothing kept, a replay that skipped unneeded ops would still have to run every random op.
+    # A replay that skipped unneeded ops would still have to run every random op that is not kept.
     assert {n.index for n in random_ops} <= needed_ops(graph, [])
+    assert random_ops[1].index not in needed_ops(graph, [random_ops[1].index])
+    assert "random: served" in str(graph)
 
 
 def test_outputs_overwritten_in_place_are_never_kept_and_the_rest_installs_exactly():

@@ -15,6 +15,13 @@ policy over as the compiler's selective-checkpoint tags:
   their answers become torch's ``CheckpointPolicy`` tags;
 * ``CPU_OFFLOAD`` becomes ``SAVE`` of the same strength: the partitioner knows
   saving and recomputing only, so an offloaded tensor stays on its device;
+* views and in-place ops are recomputed without asking the policy, in-place
+  random ops included: eager remat keeps those by value (dropout's
+  ``bernoulli_`` on CPU), the compiled lowering does not (PyTorch's
+  selective checkpointing under compile warns against in-place ops in the
+  region).  Under dynamo dropout is one out-of-place ``native_dropout``, which
+  a policy can keep; a plan profiled in eager mode names ``bernoulli_``
+  calls, so under compile its kept draws are recomputed;
 * :func:`remat.tag` names the graph node that produced a tensor (an fx
   ``custom`` annotation); the name rule is applied to every operator that
   node lowers to.
@@ -96,7 +103,8 @@ def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 def _decide_for_compiler(policy: Callable[..., Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """One remat policy decision, as the torch ``CheckpointPolicy`` tag the partitioner reads."""
     if isinstance(op, torch._ops.OpOverload) and _is_view_or_inplace(op):
-        # As in eager mode: views and in-place results alias another value, never kept on their own.
+        # Views and in-place results alias another value; in-place draws, kept by value in eager mode, are
+        # recomputed here too (see the module docstring).
         return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
     remat_ctx = SelectiveCheckpointContext(is_recompute=ctx.is_recompute, op_output=getattr(ctx, "op_output", None))
     decision = CheckpointPolicy.coerce(policy(remat_ctx, op, *args, **kwargs))

@@ -7,8 +7,14 @@ mode           kept through the step                  extra time per step
 =============  =====================================  ===========================================================
 ``keep``       what autograd saves (inputs included)  0
 ``checkpoint`` the block's inputs                     wall time of the first ``stop`` ops + region + saved tensors
-``selective``  inputs + the kept op outputs ``K``     checkpoint's − Σ kernel time of ``K`` + policy dispatch
+``selective``  inputs + the kept op outputs ``K``     checkpoint's − Σ gain of ``K`` + policy dispatch
 =============  =====================================  ===========================================================
+
+The gain of a kept op is its kernel time; for a random in-place op (kept by
+value, see :mod:`remat.selective`) minus its two copies, forward's and the
+recomputation's (``copied_bytes`` × ``overheads.copy_per_byte`` each).  Random
+ops are keepable like any other: a served one sets its generator's state
+instead of drawing, which costs microseconds and is left out.
 
 ``stop`` is where remat's early stop ends a recomputation: at the block's
 last saved tensor, whatever is kept.  The machinery's costs are measured
@@ -96,6 +102,8 @@ class _CostModel:
         self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)
                       for s in graph.storages if s.producer < stop]
         self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
+        copy = 2 * overheads.copy_per_byte
+        self.gain = {i: graph.nodes[i].kernel_time - copy * graph.copied_bytes(i) for i in graph.keepable}
 
     def recompute_peak(self, kept: set[int]) -> int:
         """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
@@ -125,7 +133,7 @@ class _CostModel:
         if mode == "checkpoint":
             time = self.checkpoint_time
         else:
-            time = self.selective_time - sum(nodes[i].kernel_time for i in kept)
+            time = self.selective_time - sum(self.gain[i] for i in kept)
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
         peak = self.recompute_peak(set(kept))
         return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
@@ -174,7 +182,7 @@ def block_front(graph: BlockGraph) -> list[FrontPoint]:
         ['checkpoint', 'keep']
     """
     model = _CostModel(graph)
-    items = [(graph.nodes[i].out_bytes, graph.nodes[i].kernel_time, i) for i in graph.keepable]
+    items = [(graph.nodes[i].out_bytes, model.gain[i], i) for i in graph.keepable]
     candidates = [model.point("keep", ()), model.point("checkpoint", ())]
     for _, gain, chosen in _knapsack(items):
         # Only selective states that can beat plain checkpointing on time are worth scoring.
@@ -243,8 +251,9 @@ def needed_ops(graph: BlockGraph, kept: Iterable[int]) -> set[int]:
 
     remat's replay runs more (every op up to ``graph.stop`` that is not
     kept); the difference is what a skipping replay would save.  Random ops
-    are needed (they must advance the RNG), and so is every op that writes
-    a needed storage in place.
+    that are not kept are needed (the random ops after them draw from where
+    they leave the RNG), and so is every op that writes a needed storage in
+    place (a kept random one is served, by a copy).
 
     Example:
         >>> sorted(needed_ops(graph, []))  # with nothing kept

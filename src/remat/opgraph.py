@@ -7,13 +7,16 @@ For each operator the block dispatches, an :class:`OpNode` holds:
 * the op overload and its *call index* among that op's calls in the block —
   how a :class:`~remat.oppolicy.BlockPolicy` names it;
 * its kind: ``compute`` (a policy may keep its output), ``alias`` (views and
-  in-place ops: they create no storage and always rerun) or ``ignored``
-  (detach and metadata queries, never subject to a policy); and whether it is
-  random (random ops always rerun in recomputation, so the RNG advances as in
-  forward);
-* the bytes of the storages it creates (views share their base; a
-  multi-output op's storages add up) and the part of them autograd saves
-  (storages that reached the pack hook);
+  in-place ops: they create no storage and rerun) or ``ignored`` (detach and
+  metadata queries, never subject to a policy); and whether it is random.  A
+  kept random op is served with its generator's state as forward left it, so
+  the random ops rerun after it draw as in forward; a random in-place op
+  writing one tensor (dropout's ``bernoulli_``) is the one ``alias`` a policy
+  may keep: by value, a copy of what it wrote (see :mod:`remat.selective`);
+* ``out_bytes``: the bytes of the storages it creates (views share their base;
+  a multi-output op's storages add up) or, for a random in-place op, of the
+  copy keeping it holds (the tensor it writes); and the part of its storages
+  autograd saves (storages that reached the pack hook);
 * which earlier ops produced its tensor arguments (``needs``), whether it
   reads the block's inputs, and whose storages it writes in place (``writes``);
 * whether a later in-place op writes one of its storages: then its output
@@ -58,7 +61,7 @@ from .memory import format_bytes
 from .modules import ActivationWrapper
 from .oppolicy import BlockPolicy, Overheads, measure_overheads
 from .profile import candidate_modules
-from .selective import SAC_IGNORED_OPS, create_selective_checkpoint_contexts
+from .selective import SAC_IGNORED_OPS, _is_random_write, create_selective_checkpoint_contexts
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
 
@@ -121,10 +124,18 @@ class BlockGraph:
 
     @property
     def keepable(self) -> list[int]:
-        """Nodes a policy can usefully keep: compute ops that rerun in recomputation and own memory."""
+        """Nodes a policy can usefully keep: ops that rerun in recomputation and own (or copy) memory.
+
+        Compute ops whose output no later op overwrites, and random in-place ops (kept by value).
+        """
         return [n.index for n in self.nodes
-                if n.kind == "compute" and not n.random and not n.mutated and n.index < self.stop
-                and n.out_bytes > 0]
+                if (n.kind == "compute" or n.kind == "alias" and n.random) and not n.mutated
+                and n.index < self.stop and n.out_bytes > 0]
+
+    def copied_bytes(self, index: int) -> int:
+        """Bytes keeping node ``index`` copies (forward, and back in recomputation): a random in-place op's value."""
+        node = self.nodes[index]
+        return node.out_bytes if node.kind == "alias" else 0
 
     def __str__(self) -> str:
         kind = "estimated" if self.estimated else "measured"
@@ -139,7 +150,8 @@ class BlockGraph:
             lines.append(f"{n.index:>4} {n.op + '#' + str(n.call):<36} {tags:<8} {format_bytes(n.out_bytes):>10} "
                          f"{format_bytes(n.saved_bytes):>10} {n.kernel_time * 1e3:>10.3f}  "
                          f"{','.join(map(str, n.needs))}{' +input' if n.reads_input else ''}")
-        lines.append("(* random: always rerun; ! written in place later: cannot be kept)")
+        lines.append("(* random: served with the RNG as forward left it when kept, an in-place one as a copy of what "
+                     "it wrote; ! written in place later: cannot be kept)")
         return "\n".join(lines)
 
 
@@ -161,17 +173,17 @@ class OpProfile:
 
 
 @functools.cache
-def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...]]:
-    """(kind, random, arguments it writes in place as (position, name))."""
+def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...], bool]:
+    """(kind, random, arguments it writes in place as (position, name), kept by value if kept)."""
     if op in SAC_IGNORED_OPS:
-        return "ignored", False, ()
+        return "ignored", False, (), False
     schema = op._schema
     # Same rule as the selective-checkpoint recorder: an aliasing return makes an op a view or in-place op.
     kind = "alias" if any(r.alias_info is not None for r in schema.returns) else "compute"
     random = torch.Tag.nondeterministic_seeded in op.tags
     written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
-    return kind, random, written
+    return kind, random, written, _is_random_write(op)
 
 
 class _Life:
@@ -248,7 +260,7 @@ class _Recorder(TorchDispatchMode):
         record = self.current
         if record is None:
             return func(*args, **kwargs)
-        kind, random, written = _op_info(func)
+        kind, random, written, by_value = _op_info(func)
         out = func(*args, **kwargs)
         index = record.ops
         record.ops += 1
@@ -262,15 +274,17 @@ class _Recorder(TorchDispatchMode):
             elif where is not None:
                 reads_input = True
         writes = set()
+        created = 0
         for position, name in written:
             target = args[position] if position < len(args) else kwargs.get(name)
             for t in _tensors(target):
+                if by_value:
+                    created += _nbytes(t)  # what a kept copy of the written value holds
                 where = record.owner.get(t.untyped_storage())
                 if where is not None and where >= 0:
                     writes.add(record.lives[where].producer)
                     record.nodes[record.lives[where].producer]["mutated"] = True
         outputs = _tensors(out)
-        created = 0
         if kind == "compute":
             for t in outputs:
                 storage = t.untyped_storage()
@@ -472,7 +486,8 @@ def profile_ops(
     checkpoint machinery's costs; by default the per-region and per-saved-tensor
     costs come from :func:`~remat.oppolicy.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
-    times are estimated).  The RNG state is left as it was.
+    times are estimated, and copies at ``bandwidth``, read plus write).  The
+    RNG state is left as it was.
 
     Example:
         >>> model = remat.models.GPT()
@@ -519,7 +534,12 @@ def profile_ops(
             handles.clear()
             for finalizer in recorder.finalizers:
                 finalizer.detach()
-            graphs = _graphs(records, estimated, overheads or measure_overheads(), repeats, overheads is None)
+            measure_policy = overheads is None
+            if overheads is None:
+                overheads = measure_overheads()
+                if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
+                    overheads = replace(overheads, copy_per_byte=2 / bandwidth)
+            graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
     finally:
         for handle in handles:
             handle.remove()

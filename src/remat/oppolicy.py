@@ -244,13 +244,16 @@ class Overheads:
     ``region``: per checkpointed call (frame, input saver, RNG capture and
     replay); ``per_saved``: per tensor autograd saves inside a region
     (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
-    op dispatched under a selective policy in forward / in recomputation.
+    op dispatched under a selective policy in forward / in recomputation;
+    ``copy_per_byte``: per byte of one device copy (a kept random in-place op
+    is copied in forward and copied back in recomputation).
     """
 
     region: float
     per_saved: float
     policy_forward: float
     policy_replay: float
+    copy_per_byte: float
 
 
 def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -260,13 +263,14 @@ def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @functools.cache
-def measure_overheads(rounds: int = 15, ops: int = 64) -> Overheads:
+def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20) -> Overheads:
     """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per process).
 
     The per-op policy figures are a floor: between ops that stream megabytes
     through the caches the same Python work costs more (2-4x for the demo GPT
     block here), so :func:`~remat.opgraph.profile_ops` measures them again on
-    each block it times.
+    each block it times.  ``copy_per_byte`` is the time of cloning a
+    ``copy_bytes`` CPU tensor, per byte.
 
     Example:
         >>> measure_overheads().policy_forward  # seconds per op, some microseconds
@@ -293,6 +297,8 @@ def measure_overheads(rounds: int = 15, ops: int = 64) -> Overheads:
         "long": lambda: _chain(x, ops).sum().backward(),
         "long_ckpt": lambda: checkpoint(_chain, x, ops).sum().backward(),
     }
+    block = torch.ones(copy_bytes // 4)
+    steps["copy"] = block.clone
     samples: dict[str, list[float]] = {label: [] for label in (*steps, "recorder", "replayer")}
     with torch.random.fork_rng(devices=[]):
         for _ in range(rounds):
@@ -314,4 +320,5 @@ def measure_overheads(rounds: int = 15, ops: int = 64) -> Overheads:
         per_saved=per_saved,
         policy_forward=max((t["recorder"] - t["forward"]) / ops, 0.0),
         policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
+        copy_per_byte=t["copy"] / copy_bytes,
     )

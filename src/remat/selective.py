@@ -16,6 +16,22 @@ which case it stays for the next backward.  Anything a later recomputation
 finds released is simply recomputed, so several backward calls over parts of
 one graph work without ``retain_graph``.
 
+Random ops: a kept output of a random op is served like any other, and the
+generator it drew from is put where forward left it (a snapshot of its state
+taken right after the op ran: the op's ``generator=`` or the default generator
+of its device, CPU or CUDA), so the random ops rerun after it draw what they
+drew in forward.  Random ops on other devices are served but still rerun, for
+their RNG advance only.  In-place random ops that write one tensor
+(``bernoulli_``, ``uniform_``, ``normal_``, ... — dropout's mask on CPU) are
+asked like any other op and kept *by value*: forward keeps a copy of what the
+op wrote (the region may change that storage later, e.g. dropout's ``div_``),
+recomputation copies it back into the op's target and returns the target
+instead of drawing.  Offloading such a draw keeps its copy in host memory.  The
+snapshot is host memory too (5056 bytes for the CPU generator, 16 for CUDA)
+and not counted in kept bytes.  A recomputation that set a generator's state
+puts it back as it found it when it ends.  Other in-place ops and views are
+never kept: they own no memory of their own.
+
 In-place changes: a kept output that the region itself modifies in place is
 not kept (it is recomputed, and the in-place op replayed on it, which is what
 plain autograd computes); that is detected from its version counter when the
@@ -24,15 +40,19 @@ recomputation, or with ``allow_cache_entry_mutation=True`` is recomputed
 instead of served, so gradients are never computed from a modified value.
 
 Differences from PyTorch 2.13 worth knowing: CPU_OFFLOAD really offloads in
-eager mode; ``retain_graph=True`` and partial backward calls work; random ops
-are always rerun in recomputation so the RNG advances exactly as in forward;
-an output modified in place by the region needs no special flag; and outputs
-can be selected by name with :func:`remat.tag`.
+eager mode; ``retain_graph=True`` and partial backward calls work; a kept
+random op is served with its generator set where forward left it, so the
+random ops rerun after it draw exactly as in forward, and in-place random ops
+(dropout's mask) can be kept, by value; an output modified in place by the
+region needs no special flag; and outputs can be selected by name with
+:func:`remat.tag` (a random op's output kept by name is served, but its op
+still reruns for its draw).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -40,7 +60,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
 from .offload import OffloadStats
@@ -147,13 +167,19 @@ def _action(decision: Any) -> int:
 
 
 class _Kept:
-    """A kept tensor: an alias of the op's output (or its host copy), its device and version then."""
+    """A kept tensor: an alias of the op's output (or a copy of it), its device and version then.
+
+    ``copy=True`` keeps a private copy (on the host when offloading), for a value whose storage the
+    region overwrites later; nothing else can reach the copy, so it never counts as modified.
+    """
 
     __slots__ = ("value", "device", "version", "offloaded")
 
-    def __init__(self, output: torch.Tensor, offload: bool) -> None:
+    def __init__(self, output: torch.Tensor, offload: bool, copy: bool = False) -> None:
         value = _alias(output)
-        if offload and value.device.type != "cpu":
+        if copy and not (offload and value.device.type != "cpu"):
+            value = value.clone()
+        elif offload and value.device.type != "cpu":
             pin = torch.cuda.is_available() and value.device.type == "cuda"
             host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
             value = host.copy_(value, non_blocking=pin)
@@ -210,9 +236,9 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 
 # Per-operator facts, by id (operators live as long as the process): bit 1 = view or
-# in-place, bit 2 = random.
+# in-place, bit 2 = random, bit 4 = random and writing one tensor in place (kept by value).
 _TRAITS: dict[int, int] = {}
-_VIEW_OR_INPLACE, _RANDOM = 1, 2
+_VIEW_OR_INPLACE, _RANDOM, _RANDOM_WRITE = 1, 2, 4
 
 
 def _traits(op: Any) -> int:
@@ -223,12 +249,88 @@ def _traits(op: Any) -> int:
         # recomputed) input: keeping either would only alias another entry.
         aliasing = schema is not None and any(r.alias_info is not None for r in schema.returns)
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        traits = _TRAITS[id(op)] = (_VIEW_OR_INPLACE if aliasing else 0) | (_RANDOM if random else 0)
+        # A random in-place op is the exception: what it wrote cannot be recomputed without drawing.
+        random_write = random and aliasing and len(schema.returns) == 1 and _written_argument(op) is not None
+        traits = _TRAITS[id(op)] = ((_VIEW_OR_INPLACE if aliasing else 0) | (_RANDOM if random else 0)
+                                    | (_RANDOM_WRITE if random_write else 0))
     return traits
 
 
 def _is_view_or_inplace(op: Any) -> bool:
     return bool(_traits(op) & _VIEW_OR_INPLACE)
+
+
+def _is_random_write(op: Any) -> bool:
+    """Whether ``op`` is a random in-place op writing one tensor, which a policy may keep by value."""
+    return bool(_traits(op) & _RANDOM_WRITE)
+
+
+@functools.cache
+def _written_argument(op: Any) -> tuple[int, str] | None:
+    """(position, name) of the one tensor argument ``op`` writes in place, or None (none or several)."""
+    written = [(i, a.name) for i, a in enumerate(op._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    return written[0] if len(written) == 1 else None
+
+
+def _argument(args: tuple, kwargs: dict, where: tuple[int, str]) -> Any:
+    position, name = where
+    return args[position] if position < len(args) else kwargs[name]
+
+
+def _generator(kwargs: dict, device: torch.device) -> torch.Generator | None:
+    """The generator a random op drew from: its ``generator=``, else its device's default (CPU or CUDA only)."""
+    generator = kwargs.get("generator")
+    if generator is not None:
+        return generator
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+class _Draw:
+    """A kept random op: its kept output (for an in-place op, a copy of what it wrote) and its generator's
+    state right after it ran in forward."""
+
+    __slots__ = ("kept", "generator", "state", "target")
+
+    def __init__(self, kept: _Kept | _KeptOutputs, generator: torch.Generator, target: tuple[int, str] | None):
+        self.kept = kept
+        self.generator = generator
+        self.state = generator.get_state()
+        self.target = target  # where the in-place op's written argument is, or None for an out-of-place op
+
+    def modified(self) -> bool:
+        return self.kept.modified()
+
+    def tensors(self) -> list[_Kept]:
+        return self.kept.tensors()
+
+    def serve(self, take: bool, args: tuple, kwargs: dict) -> Any:
+        """What the op returns, without drawing; the generator is left as the op left it in forward."""
+        self.generator.set_state(self.state)
+        if self.target is None:
+            return self.kept.serve(take)
+        # Below autograd and ADInplaceOrView, like the op itself: the copy neither records nor bumps versions.
+        target = _argument(args, kwargs, self.target)
+        return target.copy_(self.kept.value, non_blocking=self.kept.value.device != target.device)
+
+
+def _keep_draw(op: Any, args: tuple, kwargs: dict, out: Any, offload: bool) -> _Draw | _Kept | _KeptOutputs | None:
+    """Keep a random op's output with its generator's state; None if it cannot be kept (rerun instead)."""
+    target = _written_argument(op) if _traits(op) & _RANDOM_WRITE else None
+    first = out if isinstance(out, torch.Tensor) else next(
+        (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+    generator = _generator(kwargs, first.device) if first is not None else None
+    if target is not None:
+        if generator is None:
+            return None
+        return _Draw(_Kept(_argument(args, kwargs, target), offload, copy=True), generator, target)
+    kept = _keep(out, offload)
+    # Without a generator to restore the replay reruns the op for its RNG advance and serves this.
+    return kept if generator is None else _Draw(kept, generator, None)
 
 
 class _OpSlot:
@@ -242,7 +344,7 @@ class _OpSlot:
         self.random = bool(_traits(op) & _RANDOM)
         self.calls = 0
         self.replayed = 0
-        self.kept: dict[int, _Kept | _KeptOutputs] = {}  # call index -> kept output
+        self.kept: dict[int, _Kept | _KeptOutputs | _Draw] = {}  # call index -> kept output
 
 
 class _Store:
@@ -255,6 +357,8 @@ class _Store:
         self.allow_mutation = allow_mutation
         self.stats = stats
         self.slots: dict[int, _OpSlot] = {}  # by id(op)
+        # Generators whose state kept draws hold: a replay that serves them restores these when it ends.
+        self.generators: dict[int, torch.Generator] = {}
         # A Policy is asked through its rules (no context object, op rule once per operator);
         # anything else, a subclass with its own __call__ included, with PyTorch's signature.
         self.by_rules = isinstance(policy, Policy) and type(policy).__call__ is Policy.__call__
@@ -268,7 +372,7 @@ class _Store:
         """The slot of an operator this region has not run yet, with what is known of it without asking."""
         if op in SAC_IGNORED_OPS:
             action = _IGNORE
-        elif _traits(op) & _VIEW_OR_INPLACE:
+        elif _traits(op) & _VIEW_OR_INPLACE and not _traits(op) & _RANDOM_WRITE:
             action = _RECOMPUTE
         elif not self.by_rules:
             action = _ASK_FUNCTION
@@ -296,6 +400,17 @@ class _Store:
                 for kept in slot.kept.values():
                     for tensor in kept.tensors():
                         self.stats.count(tensor.value, offloaded=tensor.offloaded)
+
+    def keep(self, slot: _OpSlot, index: int, args: tuple, kwargs: dict, out: Any, offload: bool) -> None:
+        if not slot.random:
+            slot.kept[index] = _keep(out, offload)
+            return
+        kept = _keep_draw(slot.op, args, kwargs, out, offload)
+        if kept is None:
+            return
+        if isinstance(kept, _Draw):
+            self.generators[id(kept.generator)] = kept.generator
+        slot.kept[index] = kept
 
     def release_all(self) -> None:
         for slot in self.slots.values():
@@ -344,7 +459,7 @@ class _Recorder(TorchDispatchMode):
         if action >= _ASK_FUNCTION:
             action = store.ask(slot, index, args, kwargs or {}, out)
         if action != _RECOMPUTE:
-            slot.kept[index] = _keep(out, action == _OFFLOAD)
+            store.keep(slot, index, args, kwargs or {}, out, action == _OFFLOAD)
         if store.recent is not None:
             _remember(store.recent, out, op, index)
         return out
@@ -369,6 +484,7 @@ class _Replayer(TorchDispatchMode):
         super().__init__()
         self.store = store
         self.release = False
+        self.rng_before: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> _Replayer:
         for slot in self.store.slots.values():
@@ -376,9 +492,14 @@ class _Replayer(TorchDispatchMode):
         # A backward that frees its graph can run this region's recomputation only once
         # per part of the graph; anything needed again later is recomputed.
         self.release = _current_graph_task_id() != -1 and not _keeps_graph()
+        # Serving a draw sets its generator's state; the caller's RNG must not notice.
+        self.rng_before = [(g, g.get_state()) for g in self.store.generators.values()]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        for generator, state in self.rng_before:
+            generator.set_state(state)
+        self.rng_before = []
         if self.release:
             # Outputs not served (recomputation stopped early) can never be needed: a later
             # recomputation stops at the same place or sooner.
@@ -398,20 +519,20 @@ class _Replayer(TorchDispatchMode):
         kept = slot.kept.get(index) if slot.kept else None
         if kept is None:
             return op(*args, **kwargs) if kwargs else op(*args)
-        rerun = None
-        if slot.random:
-            # Random ops always run, so the RNG advances exactly as in forward.
-            rerun = op(*args, **kwargs) if kwargs else op(*args)
         if kept.modified():
             if not self.store.allow_mutation:
                 raise self._modified(op)
-            # Recomputing gives the value forward saw, which serving the modified one would not.
+            # Recomputing gives the value forward saw, which serving the modified one would not
+            # (a random op draws it again: the RNG is where forward had it, as every draw before is).
             del slot.kept[index]
-            if rerun is None:
-                rerun = op(*args, **kwargs) if kwargs else op(*args)
-            return rerun
+            return op(*args, **kwargs) if kwargs else op(*args)
         if self.release:
             del slot.kept[index]
+        if type(kept) is _Draw:
+            return kept.serve(self.release, args, kwargs or {})
+        if slot.random:
+            # A draw whose generator is unknown runs again so the RNG advances as in forward.
+            op(*args, **kwargs) if kwargs else op(*args)
         return kept.serve(take=self.release)
 
     def _unseen(self, op: Any) -> _OpSlot:
