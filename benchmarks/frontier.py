@@ -80,20 +80,28 @@ def _wrapped(work: Workload, every_n: int = 1, policy=None) -> nn.Module:
 
 
 def eager_variants(work: Workload) -> tuple[dict[str, nn.Module], dict[str, str]]:
-    """Every eager configuration, by label, and the decisions of each plan."""
+    """Every eager configuration, by label, and the decisions of each plan.
+
+    Besides the fractional budgets, each baseline gets a plan whose budget is that baseline's own measured
+    peak ("remat.plan at every 2"): the head-to-head comparison at equal memory.
+    """
     variants = {"no checkpointing": work.model}
     for k in (1, 2, 3):
         variants["full checkpointing" if k == 1 else f"every {k}"] = _wrapped(work, every_n=k)
     variants["save_matmuls"] = _wrapped(work, policy=remat.policies.save_matmuls)
     prof = remat.profile(work.model, *work.inputs, loss_fn=work.loss_fn)
+    budgets: dict[str, float | int] = {f"{fraction:.0%}": fraction for fraction in PLAN_FRACTIONS}
+    for label in list(variants)[1:]:
+        peak = remat.measure_step(lambda m=variants[label]: work.step(m), variants[label]).peak_above_params
+        budgets[f"at {label}"] = prof.param_bytes + prof.buffer_bytes + peak
     notes = {}
     families = {"remat.plan": ("checkpoint", "save_matmuls", "selective"),
                 "remat.plan blocks only": ("checkpoint", "save_matmuls")}
-    for fraction in PLAN_FRACTIONS:
+    for when, budget in budgets.items():
         for family, allow in families.items():
-            label = f"{family} {fraction:.0%}"
+            label = f"{family} {when}"
             try:
-                plan = plan_from_profile(prof, fraction, allow=allow)
+                plan = plan_from_profile(prof, budget, allow=allow)
             except InfeasibleBudget as error:
                 notes[label] = f"refused: {error}"
                 continue
