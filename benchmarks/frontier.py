@@ -16,7 +16,7 @@ no-checkpointing so its time ratio is measured side by side too.
 Peak: the whole training step's peak above parameters and buffers (gradients, activations, tensors
 recomputed in backward). Eager rows use MemTracker; compiled rows use the profiler's allocation events
 (`remat.memory.profiled_peak`), which give the same bytes on eager code. Time: median step time over
-no-checkpointing's median, with the interquartile spread of the ratio's numerator.
+no-checkpointing's in the same round (median over rounds, with the interquartile range of those ratios).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _wrapped(work: Workload, every_n: int = 1, policy=None) -> nn.Module:
     return model
 
 
-def eager_variants(work: Workload) -> tuple[dict[str, nn.Module], dict[str, str]]:
+def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, nn.Module], dict[str, str]]:
     """Every eager configuration, by label, and the decisions of each plan.
 
     Besides the fractional budgets, each baseline gets a plan whose budget is that baseline's own measured
@@ -95,8 +95,9 @@ def eager_variants(work: Workload) -> tuple[dict[str, nn.Module], dict[str, str]
         peak = remat.measure_step(lambda m=variants[label]: work.step(m), variants[label]).peak_above_params
         budgets[f"at {label}"] = prof.param_bytes + prof.buffer_bytes + peak
     notes = {}
-    families = {"remat.plan": ("checkpoint", "save_matmuls", "selective"),
-                "remat.plan blocks only": ("checkpoint", "save_matmuls")}
+    families = {"remat.plan": ("checkpoint", "save_matmuls", "selective")}
+    if blocks_only:
+        families["remat.plan blocks only"] = ("checkpoint", "save_matmuls")
     for when, budget in budgets.items():
         for family, allow in families.items():
             label = f"{family} {when}"
@@ -131,15 +132,16 @@ def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: i
 
 
 def _summary(samples: list[float], reference: list[float]) -> dict:
-    base = statistics.median(reference)
-    q1, _, q3 = statistics.quantiles(samples, n=4)
-    return {"median_ms": statistics.median(samples) * 1e3, "ratio": statistics.median(samples) / base,
-            "ratio_q1": q1 / base, "ratio_q3": q3 / base}
+    """Median step time and the median of per-round ratios to ``reference`` (same round, so slow drifts of
+    the machine cancel), with the ratios' interquartile range."""
+    ratios = [a / b for a, b in zip(samples, reference)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return {"median_ms": statistics.median(samples) * 1e3, "ratio": median, "ratio_q1": q1, "ratio_q3": q3}
 
 
-def measure_eager(name: str, repeats: int, warmup: int) -> list[dict]:
+def measure_eager(name: str, repeats: int, warmup: int, blocks_only: bool = True) -> list[dict]:
     work = workload(name)
-    variants, notes = eager_variants(work)
+    variants, notes = eager_variants(work, blocks_only)
     samples = interleaved_times(work, variants, repeats, warmup)
     rows = []
     for label, model in variants.items():
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--no-blocks-only", action="store_true",
+                        help="skip the plans restricted to block-level options")
     parser.add_argument("--json", default="frontier_results.json")
     parser.add_argument("--compiled-one", nargs=2, metavar=("MODEL", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     for name in args.models:
-        rows += measure_eager(name, args.repeats, args.warmup)
+        rows += measure_eager(name, args.repeats, args.warmup, not args.no_blocks_only)
         if not args.no_compile:
             rows += [_compiled_in_subprocess(name, b, args.repeats, args.warmup) for b in COMPILE_BUDGETS]
     print(format_table(rows))

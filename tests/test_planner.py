@@ -329,3 +329,10 @@ def test_custom_options_plug_into_the_chain():
     assert plan.predicted_extra_time <= plan_from_profile(prof, budget, ("checkpoint",)).predicted_extra_time
     with pytest.raises(ValueError, match="starting with 'keep'"):
         plan_from_profile(prof, budget, options=[o[1:] for o in cheap])
+
+
+def test_refusal_prints_exact_bytes_when_rounding_would_hide_the_gap():
+    close = str(InfeasibleBudget(54_000_000, 54_000_100, param_bytes=1_000_000, unplanned_above=100_000_000))
+    assert "54,000,000 bytes whole step" in close and "54,000,100 bytes whole step" in close
+    far = str(InfeasibleBudget(20_000_000, 54_000_100, param_bytes=1_000_000, unplanned_above=100_000_000))
+    assert "bytes whole step" not in far and "MiB whole step" in far

@@ -70,12 +70,16 @@ class InfeasibleBudget(ValueError):
         elif isinstance(requested, str):
             asked = f"{requested} is "
 
+        # Exact bytes where rounding would print the budget and the smallest peak alike.
+        exact = format_bytes(budget) == format_bytes(smallest)
+
         def both(total: int) -> str:
             above = total - param_bytes
+            whole = f"{total:,} bytes" if exact else format_bytes(total)
             if above < 0:
-                return f"{format_bytes(total)} whole step, less than the parameters alone ({format_bytes(param_bytes)})"
+                return f"{whole} whole step, less than the parameters alone ({format_bytes(param_bytes)})"
             share = f", {above / unplanned_above:.0%} of the unplanned peak" if unplanned_above else ""
-            return f"{format_bytes(above)} above parameters{share} ({format_bytes(total)} whole step)"
+            return f"{format_bytes(above)} above parameters{share} ({whole} whole step)"
 
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
