@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 
 class MLPBlock(nn.Module):
@@ -54,3 +55,22 @@ def backward_grads(loss_fn, params, seed=0, **backward_kwargs):
     for p in params:
         p.grad = None
     return loss.detach(), out
+
+
+def held_after_forward(module, block, shape):
+    """Bytes alive after ``module``'s forward besides ``block``'s parameters, its input and its output (MemTracker).
+
+    The input (shape ``shape``, requiring grad) is made under the tracker so it is counted, then taken out.
+    """
+    tracker = MemTracker()
+    tracker.track_external(block)
+    with tracker:
+        torch.manual_seed(1)
+        x = torch.randn(shape, requires_grad=True)
+        y = module(x)
+        snapshot = max(tracker.get_tracker_snapshot("current").values(), key=lambda s: s["Total"])
+    params = sum(p.untyped_storage().nbytes() for p in block.parameters())
+    held = snapshot["Total"] - params - x.untyped_storage().nbytes() - y.untyped_storage().nbytes()
+    # MemTracker's gradient hooks hold the graph (and its checkpoint frames) until a backward runs through them.
+    torch.autograd.backward(y.sum(), inputs=[x])
+    return held

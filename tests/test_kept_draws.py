@@ -9,9 +9,8 @@ import functools
 
 import pytest
 import torch
-from helpers import assert_bitwise
+from helpers import assert_bitwise, held_after_forward
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -192,21 +191,6 @@ def test_offloading_an_in_place_draw_keeps_its_copy_and_a_rerun_draw_is_not_kept
     assert (stats.offloaded_tensors, stats.offloaded_bytes) == (1, scores)
 
 
-def _held_after_forward(module, block, shape):
-    """Bytes alive after the block's forward besides parameters, its input and its output (MemTracker)."""
-    tracker = MemTracker()
-    tracker.track_external(block)
-    with tracker:
-        x = torch.randn(shape, requires_grad=True)
-        torch.manual_seed(7)
-        y = module(x)
-        snapshot = max(tracker.get_tracker_snapshot("current").values(), key=lambda s: s["Total"])
-    params = sum(p.untyped_storage().nbytes() for p in block.parameters())
-    held = snapshot["Total"] - params - x.untyped_storage().nbytes() - y.untyped_storage().nbytes()
-    torch.autograd.backward(y.sum(), inputs=[x])
-    return held
-
-
 def test_demo_block_with_its_masks_kept_holds_exactly_the_predicted_bytes_and_the_front_keeps_draws():
     block, shape = _gpt_block(seq_len=256, d_model=128)  # the demo GPT's block (batch 2 here, not 8)
     graph = profile_ops(nn.Sequential(block), torch.randn(shape, requires_grad=True), modules=["0"],
@@ -215,7 +199,7 @@ def test_demo_block_with_its_masks_kept_holds_exactly_the_predicted_bytes_and_th
     point = evaluate(graph, "selective", draws)
     masks = [2 * 2 * 256 * 256 * 4, 2 * 256 * 128 * 4, 2 * 256 * 128 * 4]  # attention, projection, MLP
     assert point.kept_bytes - point.input_bytes == sum(masks)
-    assert _held_after_forward(policy_for(graph, point).wrap(block), block, shape) == sum(masks)
+    assert held_after_forward(policy_for(graph, point).wrap(block), block, shape) == sum(masks)
     # The front keeps a draw exactly when it costs more than its two copies: on an accelerator-like roofline
     # drawing is as cheap as copying and no point keeps one; at CPU-like drawing costs points do.
     front = block_front(graph)

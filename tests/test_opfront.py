@@ -7,9 +7,8 @@ import random
 
 import pytest
 import torch
-from helpers import MLPBlock, MLPStack, assert_bitwise
+from helpers import MLPBlock, MLPStack, assert_bitwise, held_after_forward
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import remat
 from remat.bench import WideBlock
@@ -92,21 +91,6 @@ def _grads(module, block, shape):
     return torch.autograd.grad(loss, [x, *block.parameters()])
 
 
-def _held_after_forward(module, block, shape):
-    """Bytes alive after the block's forward besides parameters, its input and its output (MemTracker)."""
-    tracker = MemTracker()
-    tracker.track_external(block)
-    with tracker:
-        x = _input(shape)  # created under the tracker so it is counted, then taken out
-        y = module(x)
-        snapshot = max(tracker.get_tracker_snapshot("current").values(), key=lambda s: s["Total"])
-    params = sum(p.untyped_storage().nbytes() for p in block.parameters())
-    held = snapshot["Total"] - params - x.untyped_storage().nbytes() - y.untyped_storage().nbytes()
-    # MemTracker's gradient hooks hold the graph (and its checkpoint frames) until a backward runs through them.
-    torch.autograd.backward(y.sum(), inputs=[x])
-    return held
-
-
 def _names(graph, point):
     return {(graph.nodes[i].op, graph.nodes[i].call) for i in point.kept}
 
@@ -125,8 +109,8 @@ def test_front_is_monotone_and_ends_at_checkpoint_all_and_keep_all(build):
     assert first == evaluate(graph, "checkpoint") and first.kept_bytes == graph.input_bytes
     assert last.mode == "keep" and last.kept_bytes == graph.keep_all_bytes and last.extra_time == 0
     # The ends, measured: plain autograd keeps exactly what the pack hook saw, checkpointing nothing but inputs.
-    assert _held_after_forward(block, block, shape) == graph.keep_all_bytes - graph.input_saved_bytes
-    assert _held_after_forward(remat.checkpoint_wrapper(block), block, shape) == 0
+    assert held_after_forward(block, block, shape) == graph.keep_all_bytes - graph.input_saved_bytes
+    assert held_after_forward(remat.checkpoint_wrapper(block), block, shape) == 0
     assert all(p.mode == "selective" for p in front[1:-1])
 
 
@@ -172,7 +156,7 @@ def test_installed_points_match_autograd_bitwise_and_keep_the_predicted_bytes(bu
         assert loaded.kept_bytes == point.kept_bytes - point.input_bytes or point.mode == "keep"
         wrapped = loaded.wrap(block)
         assert_bitwise(_grads(wrapped, block, shape), reference)
-        assert _held_after_forward(wrapped, block, shape) == point.kept_bytes - point.input_bytes, point
+        assert held_after_forward(wrapped, block, shape) == point.kept_bytes - point.input_bytes, point
 
 
 def test_dropout_draws_are_keepable_by_value_and_the_recomputation_stops_at_the_last_saved_tensor():
@@ -210,7 +194,7 @@ def test_outputs_overwritten_in_place_are_never_kept_and_the_rest_installs_exact
     point = evaluate(graph, "selective", graph.keepable)
     wrapped = policy_for(graph, point).wrap(block)
     assert_bitwise(_grads(wrapped, block, shape), _grads(block, block, shape))
-    assert _held_after_forward(wrapped, block, shape) == point.kept_bytes - point.input_bytes
+    assert held_after_forward(wrapped, block, shape) == point.kept_bytes - point.input_bytes
 
 
 def test_attention_core_is_dropped_before_the_linear_outputs():
