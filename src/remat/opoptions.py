@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .opfront import FrontPoint, fronts, policy_for, thin_front
+from .planner import BlockOption
 
 if TYPE_CHECKING:
     from .opgraph import BlockGraph, OpProfile
-    from .planner import BlockOption
     from .profile import ModuleProfile, Profile
 
 __all__ = ["selective_options"]
@@ -50,8 +50,6 @@ def selective_options(prof: Profile, ops: OpProfile, points: int = 12) -> dict[s
 
 
 def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point: FrontPoint) -> BlockOption:
-    from .planner import BlockOption
-
     scale = row.checkpoint_time / checkpoint.extra_time if checkpoint.extra_time > 0 else 1.0
     policy = policy_for(graph, point)
     return BlockOption(

@@ -136,9 +136,10 @@ class Profile:
     def peak_above_params(self) -> int:
         return self.peak_bytes - self.param_bytes - self.buffer_bytes
 
-    def plan(self, budget: int | float | str,
-             allow: Sequence[str] = ("checkpoint", "save_matmuls", "selective", "offload")) -> Plan:
+    def plan(self, budget: int | float | str, allow: Sequence[str] | None = None) -> Plan:
         """The cheapest plan for ``budget`` from this profile: no new measurement, milliseconds.
+
+        ``allow``: the options a block may take besides ``keep`` (default: all of them, see :func:`remat.plan`).
 
         Example:
             >>> prof = remat.profile(model, input_ids=ids, labels=ids)
@@ -146,7 +147,7 @@ class Profile:
         """
         from .planner import plan_from_profile
 
-        return plan_from_profile(self, budget, allow)
+        return plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
