@@ -308,8 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     prof.set_defaults(run=_profile_cmd)
 
     plan = command("plan", "the cheapest checkpointing plan that fits a memory budget",
-                   "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / offload "
-                   "per block) with the least recomputation whose predicted peak fits --budget.")
+                   "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / selective "
+                   "(chosen op outputs kept) / offload per block) with the least recomputation whose predicted peak "
+                   "fits --budget.")
     _add_model_arguments(plan)
     plan.add_argument("--budget", type=_budget, required=True, nargs="+",
                       help="whole-step peak as a size (8GiB, 512MB) or a fraction of the unplanned peak above "
