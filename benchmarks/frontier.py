@@ -27,7 +27,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.bench import Chain, _cases
+from remat.bench import Chain, _cases, interleaved_rounds
 from remat.memory import format_bytes, profiled_peak
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.planner import InfeasibleBudget, plan_from_profile
@@ -116,19 +115,10 @@ _LETTERS = {"keep": "K", "checkpoint": "C", "save_matmuls": "M", "selective": "S
 
 
 def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: int, warmup: int) -> dict:
-    """Step times of each variant, round-robin with a rotating order so noise hits all alike."""
-    labels = list(variants)
-    samples: dict[str, list[float]] = {label: [] for label in labels}
-    for round_index in range(warmup + repeats):
-        shift = round_index % len(labels)
-        for label in labels[shift:] + labels[:shift]:
-            torch.manual_seed(round_index)
-            start = time.perf_counter()
-            work.step(variants[label])
-            elapsed = time.perf_counter() - start
-            if round_index >= warmup:
-                samples[label].append(elapsed)
-    return samples
+    """Step times of each variant, round-robin with a rotating order so noise hits all alike (paired by round)."""
+    rounds = interleaved_rounds({label: lambda m=model: work.step(m) for label, model in variants.items()},
+                                repeats, warmup)
+    return {label: [r[label] for r in rounds] for label in variants}
 
 
 def _summary(samples: list[float], reference: list[float]) -> dict:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
 import remat
+from remat.bench import interleaved_rounds
 from remat.memory import format_bytes
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.opfront import block_front, evaluate, policy_for
@@ -57,21 +57,11 @@ def main() -> None:
         model = copy.deepcopy(reference)
         apply_block_policies(model, {name: policy_for(prof.blocks[name], point) for name in prof.blocks})
         models[label] = model
-    samples: dict[str, list[float]] = {label: [] for label in models}
-    ratios: dict[str, list[float]] = {label: [] for label in models}
-    versus_checkpoint: dict[str, list[float]] = {label: [] for label in models}
-    for round_index in range(args.repeats + 1):
-        this_round = {}
-        for label, model in models.items():
-            torch.manual_seed(round_index)
-            start = time.perf_counter()
-            _step(model, tokens, targets)
-            this_round[label] = time.perf_counter() - start
-        if round_index:  # the first round warms up
-            for label, seconds in this_round.items():
-                samples[label].append(seconds)
-                ratios[label].append(seconds / this_round["plain"])
-                versus_checkpoint[label].append(seconds / this_round["checkpoint"])
+    rounds = interleaved_rounds({label: lambda m=model: _step(m, tokens, targets) for label, model in models.items()},
+                                args.repeats)
+    samples = {label: [r[label] for r in rounds] for label in models}
+    ratios = {label: [r[label] / r["plain"] for r in rounds] for label in models}
+    versus_checkpoint = {label: [r[label] / r["checkpoint"] for r in rounds] for label in models}
     peaks = {label: remat.measure_step(lambda m=model: _step(m, tokens, targets), model).peak_above_params
              for label, model in models.items()}
     print(f"\n{args.repeats} interleaved rounds, 1 thread")

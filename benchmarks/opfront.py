@@ -26,6 +26,7 @@ import time
 import torch
 
 import remat
+from remat.bench import interleaved_rounds
 from remat.memory import format_bytes
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.opfront import fronts, needed_ops, policy_for, thin_front
@@ -84,24 +85,13 @@ def run(repeats: int) -> dict:
             apply_block_policies(model, {name: policy_for(prof.blocks[name], point) for name in prof.blocks})
         models[label] = model
 
-    samples: dict[str, list[float]] = {label: [] for label in configs}
-    ratios: dict[str, list[float]] = {label: [] for label in configs}
+    rounds = interleaved_rounds({label: lambda m=model: _step(m, tokens, targets) for label, model in models.items()},
+                                repeats)
+    samples = {label: [r[label] for r in rounds] for label in configs}
+    ratios = {label: [r[label] / r["plain"] for r in rounds] for label in configs}
     # Extra time relative to full checkpointing's in the same round: robust to the machine's load changing
     # between the profile and the measurement, which shifts absolute predictions.
-    shares: dict[str, list[float]] = {label: [] for label in configs}
-    for round_index in range(repeats + 1):
-        this_round = {}
-        for label, model in models.items():
-            torch.manual_seed(round_index)
-            begin = time.perf_counter()
-            _step(model, tokens, targets)
-            this_round[label] = time.perf_counter() - begin
-        if round_index:  # the first round warms up
-            full = this_round["checkpoint"] - this_round["plain"]
-            for label, seconds in this_round.items():
-                samples[label].append(seconds)
-                ratios[label].append(seconds / this_round["plain"])
-                shares[label].append((seconds - this_round["plain"]) / full)
+    shares = {label: [(r[label] - r["plain"]) / (r["checkpoint"] - r["plain"]) for r in rounds] for label in configs}
     peaks = {label: remat.measure_step(lambda m=model: _step(m, tokens, targets), model).peak_above_params
              for label, model in models.items()}
     plain_time = statistics.median(samples["plain"])

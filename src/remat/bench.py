@@ -32,7 +32,7 @@ from .checkpoint import checkpoint
 from .memory import measure_step
 from .models import Block, GPTConfig
 
-__all__ = ["VARIANTS", "Chain", "format_table", "main", "run_case"]
+__all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
 
 Wrap = Callable[..., torch.Tensor]
 
@@ -146,6 +146,33 @@ def _time_round(case: Case, wrap: Wrap) -> float:
     start = time.perf_counter()
     _step(case, wrap, x)
     return time.perf_counter() - start
+
+
+def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
+                       ) -> list[dict[str, float]]:
+    """Seconds each step took, round by round: every step once per round, the order rotated each round.
+
+    Rounds are seeded (``torch.manual_seed(round)``) so every step sees the same dropout masks in a round;
+    the ``warmup`` first rounds are run and dropped.  Pair steps within a round (``r[a] / r[b]``) to cancel
+    the machine's slow drifts.
+
+    Example:
+        >>> times = interleaved_rounds({"plain": lambda: step(model), "ckpt": lambda: step(wrapped)}, 11)
+        >>> statistics.median(r["ckpt"] / r["plain"] for r in times)
+    """
+    labels = list(steps)
+    result = []
+    for round_index in range(warmup + rounds):
+        shift = round_index % len(labels)
+        this_round = {}
+        for label in labels[shift:] + labels[:shift]:
+            torch.manual_seed(round_index)
+            start = time.perf_counter()
+            steps[label]()
+            this_round[label] = time.perf_counter() - start
+        if round_index >= warmup:
+            result.append(this_round)
+    return result
 
 
 def run_case(case: Case, variants: list[str], repeats: int, warmup: int) -> dict:
