@@ -176,10 +176,12 @@ class ReplayState:
         True
     """
 
-    __slots__ = ("device_type", "cpu_rng", "device_ids", "device_rngs", "device_autocast", "cpu_autocast")
+    __slots__ = ("device_type", "device_was_up", "cpu_rng", "device_ids", "device_rngs", "device_autocast",
+                 "cpu_autocast")
 
     def __init__(self) -> None:
         self.device_type = "cpu"
+        self.device_was_up = False  # the accelerator's context existed when the region began
         self.cpu_rng: torch.Tensor | None = None
         self.device_ids: list[int] = []
         self.device_rngs: list[torch.Tensor] = []
@@ -197,7 +199,8 @@ class ReplayState:
             state.device_autocast = _autocast_settings(state.device_type)
         if preserve_rng:
             state.cpu_rng = torch.get_rng_state()
-            if state.device_initialized():
+            state.device_was_up = state.device_initialized()
+            if state.device_was_up:
                 state.device_ids, state.device_rngs = get_device_states(*tensors)
         return state
 
@@ -212,8 +215,12 @@ class ReplayState:
         return bool(getattr(module, "_initialized", False))
 
     def check_device_not_initialized_by(self, where: str) -> None:
-        """Fail if the region initialized its accelerator, so its RNG was never stashed."""
-        if self.cpu_rng is not None and not self.device_rngs and self.device_initialized():
+        """Fail if the region initialized its accelerator, so its RNG was never stashed.
+
+        Decided from the state at the region's start: a region whose inputs are all on the CPU, run in a
+        process whose accelerator was already up, initialized nothing (and PyTorch's checkpoint runs it too).
+        """
+        if self.cpu_rng is not None and not self.device_was_up and self.device_initialized():
             raise RuntimeError(
                 f"remat: the {self.device_type} device was first initialized inside {where}, so its RNG "
                 "state could not be stashed for recomputation. Initialize the device before the "
