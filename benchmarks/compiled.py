@@ -31,9 +31,9 @@ import torch.utils.checkpoint as torch_ckpt
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_wrappers
 
 import remat
-from remat.memory import saved_bytes
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.policies import MATMUL_OPS, save_matmuls
+from remat.planning.memory import saved_bytes
+from remat.policies.rules import MATMUL_OPS, save_matmuls
 
 
 def _is_block(module: torch.nn.Module) -> bool:

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.bench import Chain, _cases, interleaved_rounds
-from remat.memory import format_bytes, profiled_peak
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.planner import InfeasibleBudget, plan_from_profile
+from remat.planning.memory import profiled_peak
+from remat.planning.solver import InfeasibleBudget, plan_from_profile
+from remat.planning.units import format_bytes
+from remat.tools.bench import Chain, _cases, interleaved_rounds
 
 PLAN_FRACTIONS = (0.3, 0.5, 0.7)
 COMPILE_BUDGETS = (1.0, 0.7, 0.5, 0.3)

@@ -19,12 +19,12 @@ import statistics
 import torch
 
 import remat
-from remat.bench import interleaved_rounds
-from remat.memory import format_bytes
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.opfront import block_front, evaluate, policy_for
-from remat.opgraph import profile_ops
-from remat.oppolicy import apply_block_policies
+from remat.planning.blockpolicy import apply_block_policies
+from remat.planning.fronts import block_front, evaluate, policy_for
+from remat.planning.opgraph import profile_ops
+from remat.planning.units import format_bytes
+from remat.tools.bench import interleaved_rounds
 
 
 def _step(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) -> None:

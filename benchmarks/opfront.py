@@ -26,12 +26,12 @@ import time
 import torch
 
 import remat
-from remat.bench import interleaved_rounds
-from remat.memory import format_bytes
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.opfront import fronts, needed_ops, policy_for, thin_front
-from remat.opgraph import profile_ops
-from remat.oppolicy import apply_block_policies
+from remat.planning.blockpolicy import apply_block_policies
+from remat.planning.fronts import fronts, needed_ops, policy_for, thin_front
+from remat.planning.opgraph import profile_ops
+from remat.planning.units import format_bytes
+from remat.tools.bench import interleaved_rounds
 
 FRACTIONS = (0.25, 0.5, 0.75)
 

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.bench import WideBlock
-from remat.memory import format_bytes
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planner import InfeasibleBudget, plan_from_profile
-from remat.profile import candidate_modules
+from remat.planning.discovery import candidate_modules
+from remat.planning.solver import InfeasibleBudget, plan_from_profile
+from remat.planning.units import format_bytes
+from remat.tools.bench import WideBlock
 
 FRACTIONS = (0.2, 0.35, 0.5, 0.75, 1.0)
 

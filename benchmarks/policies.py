@@ -47,9 +47,9 @@ import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
 import remat
-from remat.bench import Chain
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.policies import MATMUL_OPS, save_matmuls
+from remat.policies.rules import MATMUL_OPS, save_matmuls
+from remat.tools.bench import Chain
 
 VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy")
 

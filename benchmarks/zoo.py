@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo  # noqa: E402
 
 import remat  # noqa: E402
-from remat.memory import format_bytes  # noqa: E402
-from remat.planner import InfeasibleBudget, plan_from_profile  # noqa: E402
+from remat.planning.solver import InfeasibleBudget, plan_from_profile
+from remat.planning.units import format_bytes
 
 BUDGETS = (0.3, 0.5, 0.7)
 

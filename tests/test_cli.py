@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from remat.demo import run_demo
 from remat.models import GPTConfig
+from remat.tools.demo import run_demo
 
 SMALL = ["--layers", "2", "--steps", "2", "--seq-len", "32", "--d-model", "32", "--heads", "2", "--batch-size", "4"]
 

@@ -9,8 +9,8 @@ from conftest import hooks_on_stack
 from helpers import MLPStack, assert_bitwise, grads
 
 import remat
-from remat.memory import measure_step
-from remat.nonreentrant import _Frame, _Placeholder
+from remat.engine.nonreentrant import _Frame, _Placeholder
+from remat.planning.memory import measure_step
 
 
 def live(kind):

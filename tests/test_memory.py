@@ -6,8 +6,8 @@ import remat
 
 
 def test_profiled_peak_gives_memtrackers_bytes_on_eager_code():
-    from remat.memory import profiled_peak
     from remat.models import GPT, GPTConfig, synthetic_batch
+    from remat.planning.memory import profiled_peak
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dropout=0.0)

@@ -8,9 +8,9 @@ from helpers import assert_bitwise, backward_grads
 from torch import nn
 
 import remat
+from remat.api.modules import CheckpointImpl, checkpoint_wrapper
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.modules import CheckpointImpl, checkpoint_wrapper
-from remat.oppolicy import BlockPolicy, OpDecision
+from remat.planning.blockpolicy import BlockPolicy, OpDecision
 
 CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, vocab_size=64)
 

@@ -11,19 +11,12 @@ from helpers import MLPBlock, MLPStack, assert_bitwise, held_after_forward
 from torch import nn
 
 import remat
-from remat.bench import WideBlock
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.opfront import block_front, evaluate, fronts, needed_ops, policy_for, thin_front
-from remat.opgraph import profile_ops
-from remat.oppolicy import (
-    BlockPolicy,
-    OpDecision,
-    Overheads,
-    apply_block_policies,
-    measure_overheads,
-    remove_block_policies,
-    resolve_op,
-)
+from remat.planning.blockpolicy import BlockPolicy, OpDecision, apply_block_policies, remove_block_policies, resolve_op
+from remat.planning.fronts import block_front, evaluate, fronts, needed_ops, policy_for, thin_front
+from remat.planning.opgraph import profile_ops
+from remat.planning.overheads import Overheads, measure_overheads
+from remat.tools.bench import WideBlock
 
 # Fixed machinery costs and CPU-like roofline times keep every front here independent of the machine's timing.
 CPU_LIKE = {"throughput": 20e9, "bandwidth": 5e9}

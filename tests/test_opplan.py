@@ -9,8 +9,8 @@ from helpers import assert_bitwise
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.oppolicy import Overheads
-from remat.planner import block_options
+from remat.planning.options import block_options
+from remat.planning.overheads import Overheads
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 import remat
-from remat.discovery import candidate_modules
-from remat.opfront import block_front, policy_for
-from remat.oppolicy import BlockPolicy, apply_block_policies, remove_block_policies
-from remat.selective import SAC_IGNORED_OPS
+from remat.planning.blockpolicy import BlockPolicy, apply_block_policies, remove_block_policies
+from remat.planning.discovery import candidate_modules
+from remat.planning.fronts import block_front, policy_for
+from remat.policies.decisions import SAC_IGNORED_OPS
 
 MODELS = zoo.model_params()
 POINTS = ("checkpoint end", "middle", "near 75%")

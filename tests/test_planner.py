@@ -9,10 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.bench import ConvBlock, WideBlock
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planner import InfeasibleBudget, Plan, block_options, plan_from_profile, predict_peak
-from remat.profile import ModuleProfile, Profile, Segment, SharedTensor
+from remat.planning.options import block_options
+from remat.planning.plan import Plan
+from remat.planning.profile import ModuleProfile, SharedTensor
+from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict_peak
+from remat.planning.timeline import Segment
+from remat.planning.workflow import Profile
+from remat.tools.bench import ConvBlock, WideBlock
 
 
 def _gpt():
@@ -316,7 +320,7 @@ def test_a_tighter_budget_never_predicts_a_cheaper_plan():
 
 def test_custom_options_plug_into_the_chain():
     """More options per block (e.g. op-level policies) are a list per block, keep first."""
-    from remat.planner import BlockOption
+    from remat.planning.options import BlockOption
 
     prof = _synthetic(6, seed=2)
     options = block_options(prof, ("checkpoint",))

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import CheckpointPolicy
-from remat.policies import offload_names, save_all_but_names, save_matmuls, save_names, save_nothing
+from remat.policies.rules import offload_names, save_all_but_names, save_matmuls, save_names, save_nothing
 
 MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
@@ -384,7 +384,7 @@ def test_kept_outputs_are_released_once_served_peak_at_most_torchs():
     import torch.utils.checkpoint as torch_ckpt
 
     from remat.models import GPT, Block, GPTConfig, synthetic_batch
-    from remat.policies import MATMUL_OPS
+    from remat.policies.rules import MATMUL_OPS
 
     def keep_matmuls(ctx, op, *args, **kwargs):
         return torch_ckpt.CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else \

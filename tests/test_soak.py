@@ -5,8 +5,8 @@ import gc
 import torch
 
 import remat
+from remat.engine.nonreentrant import _Frame, _Placeholder
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.nonreentrant import _Frame, _Placeholder
 
 
 def _rss_bytes() -> int:

@@ -13,7 +13,7 @@ from helpers import assert_bitwise
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 
-CHECKPOINT_MODULE = importlib.import_module("remat.checkpoint")
+CHECKPOINT_MODULE = importlib.import_module("remat.api.checkpoint")
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ def test_every_n_layers_only_checkpoints_some_layers():
 @pytest.mark.parametrize("switch", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
 def test_transformers_own_switch_called_later_keeps_remat(switch, monkeypatch):
     """What users write after enable(): the model's own switch, with kwargs; it must not put torch's back."""
-    engine = importlib.import_module("remat.checkpoint")
+    engine = importlib.import_module("remat.api.checkpoint")
     regions = []
     run = engine.run_nonreentrant
     monkeypatch.setattr(engine, "run_nonreentrant", lambda *a, **k: regions.append(1) or run(*a, **k))

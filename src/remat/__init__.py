@@ -8,10 +8,8 @@ A drop-in replacement for ``torch.utils.checkpoint``::
 """
 
 from . import models, policies
-from .checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled, set_checkpoint_early_stop
-from .determinism import CheckpointError
-from .memory import StepMemory, measure_step
-from .modules import (
+from .api.checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled, set_checkpoint_early_stop
+from .api.modules import (
     ActivationWrapper,
     CheckpointImpl,
     CheckpointWrapper,
@@ -20,23 +18,22 @@ from .modules import (
     checkpoint_wrapper,
     offload_wrapper,
 )
-from .nonreentrant import GraphExecGroup
-from .offload import OffloadStats, offload, save_on_cpu
-from .opfront import block_front
-from .opgraph import profile_ops
-from .oppolicy import BlockPolicy
-from .planner import InfeasibleBudget, Plan, plan
-from .profile import Profile, profile
-from .reentrant import CheckpointFunction, check_backward_validity, detach_variable
-from .selective import (
-    SAC_IGNORED_OPS,
-    CheckpointPolicy,
-    SelectiveCheckpointContext,
-    create_selective_checkpoint_contexts,
-    tag,
-)
-from .sequential import checkpoint_sequential
-from .state import DefaultDeviceType, get_device_states, set_device_states
+from .api.sequential import checkpoint_sequential
+from .engine.checks import CheckpointError
+from .engine.nonreentrant import GraphExecGroup
+from .engine.reentrant import CheckpointFunction, check_backward_validity, detach_variable
+from .engine.replay import DefaultDeviceType, get_device_states, set_device_states
+from .planning.blockpolicy import BlockPolicy
+from .planning.fronts import block_front
+from .planning.memory import StepMemory, measure_step
+from .planning.opgraph import profile_ops
+from .planning.plan import Plan
+from .planning.solver import InfeasibleBudget
+from .planning.workflow import Profile, plan, profile
+from .policies.decisions import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
+from .policies.offload import OffloadStats, offload, save_on_cpu
+from .policies.selective import create_selective_checkpoint_contexts
+from .policies.tags import tag
 
 __version__ = "0.1.0"
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import checkpoint
-from ..offload import save_on_cpu
+from ..api.checkpoint import checkpoint
+from ..policies.offload import save_on_cpu
 
 __all__ = ["enable"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .planner import DEFAULT_ALLOW
+from ..planning.options import DEFAULT_ALLOW
 
 __all__ = ["main"]
 
@@ -39,7 +39,7 @@ def _budget(text: str) -> float | str:
     try:
         value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        from .memory import parse_bytes
+        from ..planning.units import parse_bytes
 
         try:
             parse_bytes(text)
@@ -58,8 +58,8 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from ..models import GPTConfig
     from .demo import plot, run_demo
-    from .models import GPTConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,7 +174,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def _profile_of(args: argparse.Namespace):
-    from .profile import profile
+    from ..planning.workflow import profile
 
     model, inputs, kwargs = _model_and_inputs(args)
     try:
@@ -198,7 +198,7 @@ def _profile_cmd(args: argparse.Namespace) -> int:
 
 
 def _plan_cmd(args: argparse.Namespace) -> int:
-    from .planner import InfeasibleBudget, plan_from_profile
+    from ..planning.solver import InfeasibleBudget, plan_from_profile
 
     if args.output and len(args.budget) > 1:
         raise UserError("-o writes one plan: give a single --budget with it")

@@ -1,7 +1,7 @@
 """Where activation memory goes: a per-module profile of one training step.
 
 ``remat.profile(model, *args, **kwargs)`` runs training steps with no checkpointing and records, for each
-candidate block (by default the model's natural repeated blocks, see :mod:`remat.discovery`):
+candidate block (by default the model's natural repeated blocks, see :mod:`remat.planning.discovery`):
 
 * the bytes of activations it keeps for backward, its input and output bytes, and the bytes a
   ``save_matmuls`` policy would keep;
@@ -27,29 +27,22 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
+from ..engine.replay import tensor_leaves
 from .discovery import candidate_modules
-from .memory import format_bytes
-from .policies import MATMUL_OPS
-from .state import tensor_leaves
+from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
+from .units import format_bytes
 
 if TYPE_CHECKING:
     from .opgraph import OpProfile
-    from .planner import Plan
 
-__all__ = [
-    "ModuleProfile", "Profile", "Segment", "SharedTensor", "candidate_modules", "live_bytes_timeline", "profile",
-]
+__all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure", "resolve_blocks"]
 
 
 @dataclass
@@ -83,23 +76,6 @@ class ModuleProfile:
 
 
 @dataclass
-class Segment:
-    """The peak of live bytes in one stretch of the step.
-
-    ``prefix`` blocks come before it (their decisions change it); ``block`` is set for a block's own
-    backward (its recomputation raises it); ``start`` is the live bytes when the stretch began;
-    ``backward`` says whether the stretch comes after the model's forward.
-    """
-
-    label: str
-    peak: int
-    prefix: int
-    block: int | None = None
-    start: int = 0
-    backward: bool = False
-
-
-@dataclass
 class SharedTensor:
     """A storage whose lifetime depends on more than one block's decision (or on non-block code too).
 
@@ -116,8 +92,8 @@ class SharedTensor:
 
 
 @dataclass
-class Profile:
-    """The result of :func:`profile`: rows, totals and the memory timeline of one step."""
+class StepProfile:
+    """What one training step keeps, per candidate block: rows, totals and the memory timeline."""
 
     rows: list[ModuleProfile]
     segments: list[Segment]
@@ -135,19 +111,6 @@ class Profile:
     @property
     def peak_above_params(self) -> int:
         return self.peak_bytes - self.param_bytes - self.buffer_bytes
-
-    def plan(self, budget: int | float | str, allow: Sequence[str] | None = None) -> Plan:
-        """The cheapest plan for ``budget`` from this profile: no new measurement, milliseconds.
-
-        ``allow``: the options a block may take besides ``keep`` (default: all of them, see :func:`remat.plan`).
-
-        Example:
-            >>> prof = remat.profile(model, input_ids=ids, labels=ids)
-            >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
-        """
-        from .planner import plan_from_profile
-
-        return plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
@@ -173,177 +136,7 @@ class Profile:
         return "\n".join(lines)
 
 
-class _Storage:
-    """What the profile learns about one storage: size, life in raw segments, who saves and takes it."""
-
-    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted")
-
-    def __init__(self, nbytes: int, birth: int, existing: bool, counted: bool) -> None:
-        self.nbytes, self.birth, self.death, self.existing, self.counted = nbytes, birth, None, existing, counted
-        self.savers: set[int | None] = set()  # block indices; None for code outside the blocks
-        self.inputs: set[int] = set()
-
-
-class _Timeline(TorchDispatchMode):
-    """Counts live storage bytes as ops allocate and tensors die; keeps the peak of each segment."""
-
-    def __init__(self, existing: Sequence[torch.Tensor], record: bool = False,
-                 uncounted: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__()
-        self.series: list[int] | None = [] if record else None  # live bytes after every op
-        self.live = 0
-        self.segment_peak = 0
-        self.segments: list[tuple[str, int, int, int]] = []  # (label, peak, ops in it, live at its start)
-        self.ops = 0
-        self.segment_start = 0
-        self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.records: list[_Storage] = []
-        for t in existing:
-            self.track(t, existing=True)
-        for t in uncounted:
-            self.track(t, existing=True, counted=False)
-        self.segment_peak = self.segment_start = self.live
-
-    def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
-        """The record of ``t``'s storage, created (and counted live) on first sight."""
-        storage = t.untyped_storage()
-        found = self.storages.get(storage)
-        if found is not None:
-            return found
-        record = _Storage(storage.nbytes(), len(self.segments), existing, counted)
-        self.storages[storage] = record
-        self.records.append(record)
-        self.live += record.nbytes if counted else 0
-        self.segment_peak = max(self.segment_peak, self.live)
-        # A storage's Python object lives as long as the storage: its death frees the bytes.
-        weakref.finalize(storage, self._free, record)
-        return record
-
-    def _free(self, record: _Storage) -> None:
-        self.live -= record.nbytes if record.counted else 0
-        record.death = len(self.segments)
-
-    def mark(self, label: str) -> None:
-        """Close the current segment under ``label`` and start the next one."""
-        self.segments.append((label, self.segment_peak, self.ops, self.segment_start))
-        self.segment_peak = self.segment_start = self.live
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        if self.series is not None:
-            self.series.append(self.live)
-        return out
-
-
-class _Probe:
-    """Hooks on the candidate modules: forward and backward windows, inputs, saved tensors."""
-
-    def __init__(self, blocks: list[tuple[str, nn.Module]], timeline: _Timeline) -> None:
-        self.blocks = blocks
-        self.index = {id(m): i for i, (_, m) in enumerate(blocks)}
-        self.timeline = timeline
-        n = len(blocks)
-        self.input_bytes = [0] * n
-        self.output_bytes = [0] * n
-        self.forward_start = [0] * n
-        self.last_save_peak = [0] * n  # the forward's peak when it saved its last tensor (where early stop ends)
-        self.seconds = [0.0] * n
-        self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
-        self.started = 0.0
-        self.current: int | None = None
-        self.last_backward: int | None = None
-        self.in_forward = True
-        self.handles: list[Any] = []
-
-    def install(self) -> None:
-        for _, module in self.blocks:
-            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        i = self.index[id(module)]
-        self.timeline.mark(f"before forward {i}")
-        self.current = i
-        self.forward_start[i] = self.last_save_peak[i] = self.timeline.live
-        seen = set()
-        for t in tensor_leaves((args, kwargs)):
-            record = self.timeline.track(t)
-            record.inputs.add(i)
-            if id(record) not in seen:
-                seen.add(id(record))
-                self.input_bytes[i] += record.nbytes
-        self.started = time.perf_counter()
-
-    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        i = self.index[id(module)]
-        self.seconds[i] += time.perf_counter() - self.started
-        self.current = None
-        self.timeline.mark(f"forward {i}")
-        outs = list(tensor_leaves(output))
-        self.outputs[i] = {self.timeline.track(t) for t in outs}
-        self.output_bytes[i] = sum(r.nbytes for r in self.outputs[i])
-        for t in outs:
-            if t.requires_grad:
-                t.register_hook(lambda g, i=i: self._backward_starts(i))
-
-    def _backward_starts(self, i: int) -> None:
-        """Block i's backward starts when the gradient of one of its outputs is complete.
-
-        It ends when the next block's starts: whatever runs between is counted with it (a safe side, as
-        its saved tensors may still be alive there).  Later outputs of the same block, and blocks out of
-        chain order, change nothing.
-        """
-        if self.last_backward is not None and i >= self.last_backward:
-            return
-        self.close_backward()
-        self.last_backward = i
-
-    def close_backward(self) -> None:
-        """Close the current backward stretch (after the loss, or a block's backward)."""
-        last = self.last_backward
-        self.timeline.mark("after loss" if last is None else f"backward {last}")
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.in_forward:
-            record = self.timeline.track(t)
-            record.savers.add(self.current)
-            if self.current is not None:
-                self.last_save_peak[self.current] = self.timeline.segment_peak
-        return t
-
-
-class _MatmulMeter(TorchDispatchMode):
-    """Bytes of matmul-like outputs and the time spent in matmul-like ops, per block."""
-
-    def __init__(self, probe: _Probe) -> None:
-        super().__init__()
-        self.probe = probe
-        n = len(probe.blocks)
-        self.time = [0.0] * n
-        self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        i = self.probe.current
-        if i is None or func not in MATMUL_OPS:
-            return func(*args, **(kwargs or {}))
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        self.time[i] += time.perf_counter() - start
-        for t in tensor_leaves(out):
-            self.outputs[i].add(self.probe.timeline.track(t))
-        return out
-
-
-def _default_loss(output: Any) -> torch.Tensor:
+def default_loss(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
@@ -362,7 +155,7 @@ def _refuse_kv_cache(output: Any) -> None:
         )
 
 
-def _resolve(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+def resolve_blocks(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
     if modules is None:
         blocks = candidate_modules(model)
         if not blocks:
@@ -378,60 +171,26 @@ def _resolve(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str,
     return [(m, named[m]) for m in modules]
 
 
-def profile(
-    model: nn.Module,
-    *example_inputs: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    modules: Sequence[str] | None = None,
-    device: str | None = None,
-    throughput: float = 100e12,
-    repeats: int = 5,
-    ops: bool = True,
-    **example_kwargs: Any,
-) -> Profile:
-    """Profile training steps of ``model(*example_inputs, **example_kwargs)`` (no checkpointing).
-
-    ``loss_fn(output)`` turns the output into a scalar (default: the output's ``.loss``, as Hugging Face
-    models return when given ``labels=``, or the sum of its floating tensors).  Gradients are left as they
-    were before the call.  Forward times are the median of ``repeats`` interleaved timings.  ``ops=True``
-    also records each block's op graph (:func:`remat.profile_ops`, one more forward) into ``.ops``, from
-    which plans draw their op-level ``selective`` options.
-
-    ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
-    (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
-    (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).
+def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, blocks: list[tuple[str, nn.Module]],
+            loss_fn: Callable[[Any], torch.Tensor], device: str | None, throughput: float, repeats: int
+            ) -> StepProfile:
+    """Measure training steps of ``model`` for the ``blocks`` (see :func:`remat.profile` for the arguments).
 
     Example:
-        >>> prof = remat.profile(model, input_ids=ids, labels=ids)       # a Hugging Face model
-        >>> prof = remat.profile(gpt, tokens, loss_fn=lambda logits: ...)
-        >>> print(prof); plan = prof.plan(0.5)
+        >>> measured = measure(model, (tokens,), {}, resolve_blocks(model, None), loss, None, 100e12, 5)
     """
-    if device not in (None, "meta"):
-        raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
-    if repeats < 1:
-        raise ValueError(f"remat.profile: repeats must be at least 1, got {repeats}.")
-    blocks = _resolve(model, modules)
-    loss_fn = loss_fn or _default_loss
-
     def step() -> torch.Tensor:
         return loss_fn(model(*example_inputs, **example_kwargs))
 
     inputs = list(tensor_leaves((example_inputs, example_kwargs)))
     if device == "meta":
-        result = _profile_on_meta(model, step, inputs, blocks, throughput)
-    else:
-        result = _profile_measured(model, example_inputs, example_kwargs, blocks, step, loss_fn, inputs, repeats)
-    if ops:
-        from .opgraph import profile_ops
-
-        result.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
-                                 throughput=throughput, **example_kwargs)
-    return result
+        return _profile_on_meta(model, step, inputs, blocks, throughput)
+    return _profile_measured(model, example_inputs, example_kwargs, blocks, step, loss_fn, inputs, repeats)
 
 
 def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
                       blocks: list[tuple[str, nn.Module]], step: Callable[[], torch.Tensor],
-                      loss_fn: Callable[[Any], torch.Tensor], inputs: list[torch.Tensor], repeats: int) -> Profile:
+                      loss_fn: Callable[[Any], torch.Tensor], inputs: list[torch.Tensor], repeats: int) -> StepProfile:
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
     try:
@@ -484,8 +243,8 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
     median of their pooled timings, so equal blocks tie exactly.  A variant that fails on this model (a
     policy meeting an output mutated in place) is priced at infinity.
     """
-    from .modules import checkpoint_wrapper
-    from .policies import save_matmuls
+    from ..api.modules import checkpoint_wrapper
+    from ..policies.rules import save_matmuls
 
     wrappers: dict[str, Callable[[nn.Module], nn.Module] | None] = {
         "plain": None,
@@ -560,34 +319,8 @@ def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: C
     return [(medians["plain"][i], extra["checkpoint"][i], extra["save_matmuls"][i]) for i in range(n)], base
 
 
-def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
-           blocks: list[tuple[str, nn.Module]], *modes: Any) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
-    """One instrumented step: the memory timeline, who saves and takes which storage, matmul outputs."""
-    params = list(model.parameters())
-    # The example inputs exist before the step and are not counted, as MemTracker does not see them.
-    timeline = _Timeline([*params, *model.buffers()], uncounted=inputs)
-    probe = _Probe(blocks, timeline)
-    meter = _MatmulMeter(probe)
-    probe.install()
-    try:
-        with ExitStack() as contexts:
-            for context in (torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter,
-                            *modes):
-                contexts.enter_context(context)
-            loss = step()
-            timeline.mark("loss")
-            probe.in_forward = False
-            loss.backward()
-            del loss
-        probe.close_backward()
-    finally:
-        probe.remove()
-    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
-    return timeline, probe, meter, grad_bytes
-
-
 def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
-                     blocks: list[tuple[str, nn.Module]], throughput: float) -> Profile:
+                     blocks: list[tuple[str, nn.Module]], throughput: float) -> StepProfile:
     from torch.utils.flop_counter import FlopCounterMode
 
     params = list(model.parameters())
@@ -615,25 +348,9 @@ def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs:
     return prof
 
 
-def live_bytes_timeline(step: Callable[[], Any], *existing: torch.Tensor) -> list[int]:
-    """Live storage bytes after every operator of ``step()``; pass the tensors that exist before it.
-
-    Example:
-        >>> series = live_bytes_timeline(lambda: model(x).sum().backward(), *model.parameters(), x)
-    """
-    timeline = _Timeline(existing, record=True)
-    with timeline:
-        step()
-    return timeline.series
-
-
-def _unpack_identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _Timeline, probe: _Probe,
               meter: _MatmulMeter, grad_bytes: int, forward_time: list[float], matmul_time: list[float],
-              checkpoint_time: list[float], selective_time: list[float], step_time: float, device: str) -> Profile:
+              checkpoint_time: list[float], selective_time: list[float], step_time: float, device: str) -> StepProfile:
     n = len(blocks)
     segments, last_raw = _segments(timeline.segments, n)
     own, held, first_saved = [0] * n, [0] * n, [0] * n
@@ -665,7 +382,7 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
             checkpoint_time=checkpoint_time[i], save_matmuls_time=selective_time[i],
         ))
     params = list(model.parameters())
-    return Profile(
+    return StepProfile(
         rows=rows, segments=segments, shared=shared,
         param_bytes=sum(p.untyped_storage().nbytes() for p in params),
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
@@ -692,32 +409,3 @@ def _is_own(record: _Storage, saving: list[int], holders: set[int], alive: list[
             return False
     return True
 
-
-def _segments(marks: list[tuple[str, int, int, int]], n: int) -> tuple[list[Segment], list[int]]:
-    """Turn the marks into segments that know how many blocks precede them; also each one's last raw mark.
-
-    Marks with no op between them fired at the same instant: they close one segment, named after a
-    block's backward when one is among them.
-    """
-    groups: list[list[tuple[int, str, int, int]]] = []
-    for k, (label, peak, ops, start) in enumerate(marks):
-        if groups and ops == 0:
-            groups[-1].append((k, label, peak, start))
-        else:
-            groups.append([(k, label, peak, start)])
-    segments, last_raw = [], []
-    for group in groups:
-        labels = [label for _, label, _, _ in group]
-        label = next((x for x in labels if x.startswith("backward ")), labels[0])
-        peak, start = group[0][2], group[0][3]
-        last_raw.append(group[-1][0])
-        head, _, number = label.rpartition(" ")
-        if head == "backward":
-            segments.append(Segment(label, peak, int(number), int(number), start, backward=True))
-        elif head in ("forward", "before forward"):
-            segments.append(Segment(label, peak, int(number), start=start))
-        elif label == "loss":
-            segments.append(Segment(label, peak, n, start=start))
-        else:  # "after loss": every block's backward is still to come
-            segments.append(Segment(label, peak, n, start=start, backward=True))
-    return segments, last_raw

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .state import DefaultDeviceType
+from ..engine.replay import DefaultDeviceType
 
 __all__ = ["OffloadStats", "offload", "save_on_cpu"]
 

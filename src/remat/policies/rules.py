@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .selective import CheckpointPolicy, SelectiveCheckpointContext, _ops
+from .decisions import CheckpointPolicy, SelectiveCheckpointContext, _ops
 
 __all__ = [
     "MATMUL_OPS",

@@ -28,9 +28,9 @@ import torch
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
 
-from .checkpoint import checkpoint
-from .memory import measure_step
-from .models import Block, GPTConfig
+from ..api.checkpoint import checkpoint
+from ..models import Block, GPTConfig
+from ..planning.memory import measure_step
 
 __all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
 

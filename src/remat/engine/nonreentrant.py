@@ -32,8 +32,8 @@ import torch
 from torch._C._autograd import _pop_saved_tensors_default_hooks, _push_saved_tensors_default_hooks
 from torch.utils import _pytree as pytree
 
-from .determinism import CheckpointError, Divergence, OpTrace, describe_function, first_op_divergence
-from .state import ReplayState
+from .checks import CheckpointError, Divergence, OpTrace, describe_function, first_op_divergence
+from .replay import ReplayState
 
 __all__ = ["GraphExecGroup", "run_nonreentrant"]
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from .compiled import checkpoint_in_graph
-from .determinism import metadata_fn_for
-from .nonreentrant import run_nonreentrant
-from .reentrant import CheckpointFunction
-from .selective import create_selective_checkpoint_contexts
+from ..engine.checks import metadata_fn_for
+from ..engine.nonreentrant import run_nonreentrant
+from ..engine.reentrant import CheckpointFunction
+from ..policies.compiled import checkpoint_in_graph
+from ..policies.selective import create_selective_checkpoint_contexts
 
 __all__ = [
     "checkpoint",
@@ -99,7 +99,7 @@ def checkpoint(
     ops) selects what to keep, offload or recompute, op by op; it is sugar for
     ``context_fn=partial(create_selective_checkpoint_contexts, policy)``.
     Under ``torch.compile`` the region and its policy go into the compiled
-    graph (see :mod:`remat.compiled`).
+    graph (see :mod:`remat.policies.compiled`).
 
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ..policies.offload import offload
 from .checkpoint import checkpoint
-from .offload import offload
 
 __all__ = [
     "ActivationWrapper",
@@ -119,7 +119,7 @@ class _KeepsStateOnce:
     __slots__ = ("__wrapped__", "written")
 
     def __init__(self, module: nn.Module) -> None:
-        self.__wrapped__ = module  # what error messages name (see remat.determinism.describe_function)
+        self.__wrapped__ = module  # what error messages name (see remat.engine.checks.describe_function)
         self.written: list[torch.Tensor] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

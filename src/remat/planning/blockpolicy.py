@@ -1,7 +1,7 @@
 """Install one op-level decision per block: keep exactly these op outputs, recompute the rest.
 
 A :class:`BlockPolicy` is what a block's point on its front of op-level
-policies turns into when it is applied (see :mod:`remat.opfront`): a mode and
+policies turns into when it is applied (see :mod:`remat.planning.fronts`): a mode and
 a readable list of :class:`OpDecision` — ``(op, call index, bytes,
 decision)``.  The call index counts the calls of that op overload within one
 run of the block, so two matmuls of one block can get different decisions.
@@ -22,9 +22,6 @@ a policy in forward and in recomputation); the front's cost model adds it.
 
 from __future__ import annotations
 
-import functools
-import statistics
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,18 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import checkpoint
-from .memory import format_bytes
-from .modules import ActivationWrapper, checkpoint_wrapper
-from .selective import CheckpointPolicy, create_selective_checkpoint_contexts
+from ..api.modules import ActivationWrapper, checkpoint_wrapper
+from ..policies.decisions import CheckpointPolicy
+from ..policies.selective import create_selective_checkpoint_contexts
+from .units import format_bytes
 
 __all__ = [
     "MODES",
     "BlockPolicy",
     "OpDecision",
-    "Overheads",
     "apply_block_policies",
-    "measure_overheads",
     "remove_block_policies",
     "resolve_op",
 ]
@@ -236,89 +231,3 @@ def remove_block_policies(model: nn.Module, names: list[str]) -> nn.Module:
             setattr(parent, child, current._checkpoint_wrapped_module)
     return model
 
-
-@dataclass(frozen=True)
-class Overheads:
-    """Seconds the checkpoint machinery adds on this host, whatever the ops cost.
-
-    ``region``: per checkpointed call (frame, input saver, RNG capture and
-    replay); ``per_saved``: per tensor autograd saves inside a region
-    (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
-    op dispatched under a selective policy in forward / in recomputation;
-    ``copy_per_byte``: per byte of one device copy (a kept random in-place op
-    is copied in forward and copied back in recomputation).
-    """
-
-    region: float
-    per_saved: float
-    policy_forward: float
-    policy_replay: float
-    copy_per_byte: float
-
-
-def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
-    for _ in range(n):
-        x = x.sin()  # saves its input: one saved tensor per op
-    return x
-
-
-@functools.cache
-def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20) -> Overheads:
-    """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per process).
-
-    The per-op policy figures are a floor: between ops that stream megabytes
-    through the caches the same Python work costs more (2-4x for the demo GPT
-    block here), so :func:`~remat.opgraph.profile_ops` measures them again on
-    each block it times.  ``copy_per_byte`` is the time of cloning a
-    ``copy_bytes`` CPU tensor, per byte.
-
-    Example:
-        >>> measure_overheads().policy_forward  # seconds per op, some microseconds
-    """
-    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
-    sin = torch.ops.aten.sin.default
-    # A policy whose table holds the op (so every call is counted) but keeps no call of it.
-    probe = BlockPolicy("selective", [OpDecision(str(sin), ops + 1, 0, "keep")])
-
-    def under_policy() -> tuple[float, float]:
-        forward, recompute = probe.context_fn()
-        start = time.perf_counter()
-        with forward:
-            _chain(x, ops)
-        middle = time.perf_counter()
-        with recompute:
-            _chain(x, ops)
-        return middle - start, time.perf_counter() - middle
-
-    steps: dict[str, Callable[[], Any]] = {
-        "forward": lambda: _chain(x, ops),
-        "short": lambda: _chain(x, 1).sum().backward(),
-        "short_ckpt": lambda: checkpoint(_chain, x, 1).sum().backward(),
-        "long": lambda: _chain(x, ops).sum().backward(),
-        "long_ckpt": lambda: checkpoint(_chain, x, ops).sum().backward(),
-    }
-    block = torch.ones(copy_bytes // 4)
-    steps["copy"] = block.clone
-    samples: dict[str, list[float]] = {label: [] for label in (*steps, "recorder", "replayer")}
-    with torch.random.fork_rng(devices=[]):
-        for _ in range(rounds):
-            for label, step in steps.items():
-                start = time.perf_counter()
-                step()
-                samples[label].append(time.perf_counter() - start)
-            recorded, replayed = under_policy()
-            samples["recorder"].append(recorded)
-            samples["replayer"].append(replayed)
-    x.grad = None
-    t = {label: statistics.median(values) for label, values in samples.items()}
-    # A checkpointed chain of n ops recomputes n - 1 of them: the last op's saved input is its last pack.
-    extra_short = t["short_ckpt"] - t["short"]
-    extra_long = t["long_ckpt"] - t["long"] - t["forward"] * (ops - 1) / ops
-    per_saved = max((extra_long - extra_short) / (ops - 1), 0.0)
-    return Overheads(
-        region=max(extra_short - per_saved, 0.0),
-        per_saved=per_saved,
-        policy_forward=max((t["recorder"] - t["forward"]) / ops, 0.0),
-        policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
-        copy_per_byte=t["copy"] / copy_bytes,
-    )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .state import ReplayState
+from .replay import ReplayState
 
 __all__ = ["CheckpointFunction", "check_backward_validity", "detach_variable"]
 

@@ -11,7 +11,7 @@ mode           kept through the step                  extra time per step
 =============  =====================================  ===========================================================
 
 The gain of a kept op is its kernel time; for a random in-place op (kept by
-value, see :mod:`remat.selective`) minus its two copies, forward's and the
+value, see :mod:`remat.policies.selective`) minus its two copies, forward's and the
 recomputation's (``copied_bytes`` × ``overheads.copy_per_byte`` each).  Random
 ops are keepable like any other: a served one sets its generator's state
 instead of drawing, which costs microseconds and is left out.
@@ -19,8 +19,8 @@ instead of drawing, which costs microseconds and is left out.
 ``stop`` is where remat's early stop ends a recomputation: at the block's
 last saved tensor, whatever is kept.  The machinery's costs are measured
 (``graph.overheads``: per checkpointed call and per saved tensor by
-:func:`remat.oppolicy.measure_overheads`, per op under a selective policy on
-the block itself by :func:`remat.opgraph.profile_ops`): a selective policy
+:func:`remat.planning.overheads.measure_overheads`, per op under a selective policy on
+the block itself by :func:`remat.planning.opgraph.profile_ops`): a selective policy
 pays ``policy_forward`` for every op of the forward and ``policy_replay`` for
 every op the recomputation dispatches (its first ``stop`` ops and a detach per
 rebuilt tensor that requires grad).
@@ -50,9 +50,9 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .memory import format_bytes
+from .blockpolicy import BlockPolicy, OpDecision
 from .opgraph import BlockGraph, OpProfile
-from .oppolicy import BlockPolicy, OpDecision
+from .units import format_bytes
 
 __all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "policy_for", "thin_front"]
 
@@ -231,7 +231,7 @@ def thin_front(front: list[FrontPoint], points: int) -> list[FrontPoint]:
 
 
 def policy_for(graph: BlockGraph, point: FrontPoint) -> BlockPolicy:
-    """The installable, serializable :class:`~remat.oppolicy.BlockPolicy` of one front point.
+    """The installable, serializable :class:`~remat.planning.blockpolicy.BlockPolicy` of one front point.
 
     Example:
         >>> policy_for(graph, front[len(front) // 2]).wrap(model.blocks[0])

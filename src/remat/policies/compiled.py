@@ -45,7 +45,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch._dynamo.comptime import comptime
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .selective import CheckpointPolicy, SelectiveCheckpointContext, _is_view_or_inplace, _Recorder
+from .decisions import CheckpointPolicy, SelectiveCheckpointContext, _is_view_or_inplace
+from .selective import _Recorder
 
 __all__ = ["checkpoint_in_graph", "tag_in_graph"]
 

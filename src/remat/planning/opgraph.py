@@ -5,14 +5,14 @@ and records the first call of every candidate block with its real inputs.
 For each operator the block dispatches, an :class:`OpNode` holds:
 
 * the op overload and its *call index* among that op's calls in the block —
-  how a :class:`~remat.oppolicy.BlockPolicy` names it;
+  how a :class:`~remat.planning.blockpolicy.BlockPolicy` names it;
 * its kind: ``compute`` (a policy may keep its output), ``alias`` (views and
   in-place ops: they create no storage and rerun) or ``ignored`` (detach and
   metadata queries, never subject to a policy); and whether it is random.  A
   kept random op is served with its generator's state as forward left it, so
   the random ops rerun after it draw as in forward; a random in-place op
   writing one tensor (dropout's ``bernoulli_``) is the one ``alias`` a policy
-  may keep: by value, a copy of what it wrote (see :mod:`remat.selective`);
+  may keep: by value, a copy of what it wrote (see :mod:`remat.policies.selective`);
 * ``out_bytes``: the bytes of the storages it creates (views share their base;
   a multi-output op's storages add up) or, for a random in-place op, of the
   copy keeping it holds (the tensor it writes); and the part of its storages
@@ -57,11 +57,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .memory import format_bytes
-from .modules import ActivationWrapper
-from .oppolicy import BlockPolicy, Overheads, measure_overheads
-from .profile import candidate_modules
-from .selective import SAC_IGNORED_OPS, _is_random_write, create_selective_checkpoint_contexts
+from ..api.modules import ActivationWrapper
+from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
+from ..policies.selective import create_selective_checkpoint_contexts
+from .blockpolicy import BlockPolicy
+from .discovery import candidate_modules
+from .overheads import Overheads, measure_overheads
+from .units import format_bytes
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
 
@@ -479,12 +481,12 @@ def profile_ops(
     """Record the op graph of every candidate block of ``model`` on ``example_inputs`` (one forward).
 
     ``modules`` names the blocks (default: the repeated blocks,
-    :func:`remat.profile.candidate_modules`).  ``timing="measure"`` times one
+    :func:`remat.planning.discovery.candidate_modules`).  ``timing="measure"`` times one
     block per signature (``repeats`` interleaved runs, medians);
     ``"estimate"`` (forced on the meta device) uses FLOPs and bytes moved at
     ``throughput`` FLOP/s and ``bandwidth`` B/s.  ``overheads`` fixes the
     checkpoint machinery's costs; by default the per-region and per-saved-tensor
-    costs come from :func:`~remat.oppolicy.measure_overheads` and a selective
+    costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
     times are estimated, and copies at ``bandwidth``, read plus write).  The
     RNG state is left as it was.

@@ -51,8 +51,6 @@ still reruns for its draw).
 
 from __future__ import annotations
 
-import enum
-import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -60,277 +58,26 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
+from .decisions import (
+    _ASK_CALL,
+    _ASK_FUNCTION,
+    _IGNORE,
+    _OFFLOAD,
+    _RANDOM,
+    _RANDOM_WRITE,
+    _RECOMPUTE,
+    _VIEW_OR_INPLACE,
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    _action,
+    _traits,
+)
+from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs
 from .offload import OffloadStats
 
-__all__ = [
-    "SAC_IGNORED_OPS",
-    "CheckpointPolicy",
-    "SelectiveCheckpointContext",
-    "create_selective_checkpoint_contexts",
-    "tag",
-]
-
-
-class CheckpointPolicy(enum.Enum):
-    """What to do with one operator's output. ``MUST_*`` may not be overridden by other systems."""
-
-    # Same member names as torch's enum (drop-in); a policy may return either enum.
-    MUST_SAVE = enum.auto()
-    PREFER_SAVE = enum.auto()
-    MUST_RECOMPUTE = enum.auto()
-    PREFER_RECOMPUTE = enum.auto()
-    MUST_CPU_OFFLOAD = enum.auto()
-    PREFER_CPU_OFFLOAD = enum.auto()
-
-    @classmethod
-    def coerce(cls, decision: Any) -> CheckpointPolicy:
-        """Accept this enum, torch's ``CheckpointPolicy`` or a bool (True = save)."""
-        if isinstance(decision, cls):
-            return decision
-        if isinstance(decision, bool):
-            return cls.MUST_SAVE if decision else cls.PREFER_RECOMPUTE
-        name = getattr(decision, "name", None)
-        if name in cls.__members__:
-            return cls[name]
-        # ValueError, not TypeError: torch's operator wrappers turn a TypeError into NotImplemented.
-        raise ValueError(f"remat: a checkpoint policy must return a CheckpointPolicy or a bool, got {decision!r}.")
-
-    @property
-    def keeps(self) -> bool:
-        return self in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
-    @property
-    def offloads(self) -> bool:
-        return self in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD)
-
-
-class SelectiveCheckpointContext:
-    """Passed to a policy function with each operator: ``is_recompute`` and the op's output.
-
-    Example:
-        >>> def policy(ctx, op, *args, **kwargs):
-        ...     return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else \\
-        ...         CheckpointPolicy.PREFER_RECOMPUTE
-    """
-
-    __slots__ = ("is_recompute", "op_output")
-
-    def __init__(self, *, is_recompute: bool, op_output: Any = None) -> None:
-        self.is_recompute = is_recompute
-        self.op_output = op_output
-
-
-def _ops(*names: str) -> set:
-    found = set()
-    for name in names:
-        packet_name, _, overload = name.partition(".")
-        packet = getattr(torch.ops.aten, packet_name, None)
-        if packet is not None and hasattr(packet, overload or "default"):
-            found.add(getattr(packet, overload or "default"))
-    return found
-
-
-# Ops never subject to a policy: detach calls differ between forward and
-# recompute by design, and metadata queries have no output worth keeping.
-SAC_IGNORED_OPS: set = _ops("detach", "sym_size.int", "sym_stride.int", "sym_numel", "sym_storage_offset") | {
-    torch.ops.prim.device.default
-}
-
-# What the modes do with one call. Plain ints: the dispatch path compares them per operator.
-_RECOMPUTE, _KEEP, _OFFLOAD, _IGNORE, _ASK_FUNCTION, _ASK_CALL = range(6)
-
-# Decisions by identity (enum members are singletons; hashing an Enum runs Python code).
-_ACTION_BY_ID: dict[int, int] = {}
-
-
-def _register_decisions(enum_class: Any) -> None:
-    for member in enum_class:
-        name = member.name
-        action = _KEEP if name.endswith("_SAVE") else _OFFLOAD if name.endswith("_OFFLOAD") else _RECOMPUTE
-        _ACTION_BY_ID[id(member)] = action
-
-
-_register_decisions(CheckpointPolicy)
-_register_decisions(_TorchCheckpointPolicy)
-
-
-def _action(decision: Any) -> int:
-    action = _ACTION_BY_ID.get(id(decision))
-    if action is not None:
-        return action
-    if decision is True or decision is False:
-        return _KEEP if decision else _RECOMPUTE
-    return _ACTION_BY_ID[id(CheckpointPolicy.coerce(decision))]  # raises a clear error on anything else
-
-
-class _Kept:
-    """A kept tensor: an alias of the op's output (or a copy of it), its device and version then.
-
-    ``copy=True`` keeps a private copy (on the host when offloading), for a value whose storage the
-    region overwrites later; nothing else can reach the copy, so it never counts as modified.
-    """
-
-    __slots__ = ("value", "device", "version", "offloaded")
-
-    def __init__(self, output: torch.Tensor, offload: bool, copy: bool = False) -> None:
-        value = _alias(output)
-        if copy and not (offload and value.device.type != "cpu"):
-            value = value.clone()
-        elif offload and value.device.type != "cpu":
-            pin = torch.cuda.is_available() and value.device.type == "cuda"
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
-            value = host.copy_(value, non_blocking=pin)
-        self.value = value
-        self.device = output.device
-        self.version = value._version
-        self.offloaded = offload
-
-    def modified(self) -> bool:
-        return self.value._version != self.version
-
-    def serve(self, take: bool) -> torch.Tensor:
-        if self.value.device != self.device:
-            return self.value.to(self.device, non_blocking=True)
-        # A taken value is no longer held here, so it can be handed out as is.
-        return self.value if take else _alias(self.value)
-
-    def tensors(self) -> list[_Kept]:
-        return [self]
-
-
-class _KeptOutputs:
-    """The kept outputs of a multi-output op, served whole (e.g. attention with its log-sum-exp)."""
-
-    __slots__ = ("structure",)
-
-    def __init__(self, outputs: Any, offload: bool) -> None:
-        self.structure = tree_map(lambda t: _Kept(t, offload) if isinstance(t, torch.Tensor) else t, outputs)
-
-    def tensors(self) -> list[_Kept]:
-        found: list[_Kept] = []
-        tree_map(lambda k: found.append(k) if isinstance(k, _Kept) else None, self.structure)
-        return found
-
-    def modified(self) -> bool:
-        return any(k.modified() for k in self.tensors())
-
-    def serve(self, take: bool) -> Any:
-        return tree_map(lambda k: k.serve(take) if isinstance(k, _Kept) else k, self.structure)
-
-
-def _keep(outputs: Any, offload: bool) -> _Kept | _KeptOutputs:
-    if isinstance(outputs, torch.Tensor):
-        return _Kept(outputs, offload)
-    return _KeptOutputs(outputs, offload)
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    # Inside a dispatch mode we run below ADInplaceOrView, where detach() would
-    # get a fresh version counter; re-enable the key so the alias shares it
-    # and in-place changes to the original stay visible.
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
-        return t.detach()
-
-
-# Per-operator facts, by id (operators live as long as the process): bit 1 = view or
-# in-place, bit 2 = random, bit 4 = random and writing one tensor in place (kept by value).
-_TRAITS: dict[int, int] = {}
-_VIEW_OR_INPLACE, _RANDOM, _RANDOM_WRITE = 1, 2, 4
-
-
-def _traits(op: Any) -> int:
-    traits = _TRAITS.get(id(op))
-    if traits is None:
-        schema = getattr(op, "_schema", None)
-        # Views own no memory and in-place ops return their (already kept or
-        # recomputed) input: keeping either would only alias another entry.
-        aliasing = schema is not None and any(r.alias_info is not None for r in schema.returns)
-        random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        # A random in-place op is the exception: what it wrote cannot be recomputed without drawing.
-        random_write = random and aliasing and len(schema.returns) == 1 and _written_argument(op) is not None
-        traits = _TRAITS[id(op)] = ((_VIEW_OR_INPLACE if aliasing else 0) | (_RANDOM if random else 0)
-                                    | (_RANDOM_WRITE if random_write else 0))
-    return traits
-
-
-def _is_view_or_inplace(op: Any) -> bool:
-    return bool(_traits(op) & _VIEW_OR_INPLACE)
-
-
-def _is_random_write(op: Any) -> bool:
-    """Whether ``op`` is a random in-place op writing one tensor, which a policy may keep by value."""
-    return bool(_traits(op) & _RANDOM_WRITE)
-
-
-@functools.cache
-def _written_argument(op: Any) -> tuple[int, str] | None:
-    """(position, name) of the one tensor argument ``op`` writes in place, or None (none or several)."""
-    written = [(i, a.name) for i, a in enumerate(op._schema.arguments)
-               if a.alias_info is not None and a.alias_info.is_write]
-    return written[0] if len(written) == 1 else None
-
-
-def _argument(args: tuple, kwargs: dict, where: tuple[int, str]) -> Any:
-    position, name = where
-    return args[position] if position < len(args) else kwargs[name]
-
-
-def _generator(kwargs: dict, device: torch.device) -> torch.Generator | None:
-    """The generator a random op drew from: its ``generator=``, else its device's default (CPU or CUDA only)."""
-    generator = kwargs.get("generator")
-    if generator is not None:
-        return generator
-    if device.type == "cpu":
-        return torch.default_generator
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return None
-
-
-class _Draw:
-    """A kept random op: its kept output (for an in-place op, a copy of what it wrote) and its generator's
-    state right after it ran in forward."""
-
-    __slots__ = ("kept", "generator", "state", "target")
-
-    def __init__(self, kept: _Kept | _KeptOutputs, generator: torch.Generator, target: tuple[int, str] | None):
-        self.kept = kept
-        self.generator = generator
-        self.state = generator.get_state()
-        self.target = target  # where the in-place op's written argument is, or None for an out-of-place op
-
-    def modified(self) -> bool:
-        return self.kept.modified()
-
-    def tensors(self) -> list[_Kept]:
-        return self.kept.tensors()
-
-    def serve(self, take: bool, args: tuple, kwargs: dict) -> Any:
-        """What the op returns, without drawing; the generator is left as the op left it in forward."""
-        self.generator.set_state(self.state)
-        if self.target is None:
-            return self.kept.serve(take)
-        # Below autograd and ADInplaceOrView, like the op itself: the copy neither records nor bumps versions.
-        target = _argument(args, kwargs, self.target)
-        return target.copy_(self.kept.value, non_blocking=self.kept.value.device != target.device)
-
-
-def _keep_draw(op: Any, args: tuple, kwargs: dict, out: Any, offload: bool) -> _Draw | _Kept | _KeptOutputs | None:
-    """Keep a random op's output with its generator's state; None if it cannot be kept (rerun instead)."""
-    target = _written_argument(op) if _traits(op) & _RANDOM_WRITE else None
-    first = out if isinstance(out, torch.Tensor) else next(
-        (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
-    generator = _generator(kwargs, first.device) if first is not None else None
-    if target is not None:
-        if generator is None:
-            return None
-        return _Draw(_Kept(_argument(args, kwargs, target), offload, copy=True), generator, target)
-    kept = _keep(out, offload)
-    # Without a generator to restore the replay reruns the op for its RNG advance and serves this.
-    return kept if generator is None else _Draw(kept, generator, None)
+__all__ = ["create_selective_checkpoint_contexts"]
 
 
 class _OpSlot:
@@ -351,7 +98,7 @@ class _Store:
     """What one region keeps, shared by its two modes."""
 
     def __init__(self, policy: Callable, allow_mutation: bool, stats: OffloadStats | None) -> None:
-        from .policies import Policy
+        from .rules import Policy
 
         self.policy = policy
         self.allow_mutation = allow_mutation
@@ -557,53 +304,6 @@ class _Replayer(TorchDispatchMode):
         )
 
 
-def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """Name ``tensor`` inside a checkpointed region so name-based policies can keep it.
-
-    Returns ``tensor`` itself: identity in value and gradient, and free when
-    no selective policy is active.
-
-    Example:
-        >>> def block(x):
-        ...     h = remat.tag(x @ w, "proj")
-        ...     return h.relu()
-        >>> remat.checkpoint(block, x, policy=remat.policies.save_names("proj"))
-    """
-    if torch.compiler.is_compiling():
-        from .compiled import tag_in_graph  # imported here: compiled.py builds on this module
-
-        return tag_in_graph(tensor, name)
-    store = _active_store()
-    if store is None or store.recent is None:
-        return tensor
-    found = store.recent.get(id(tensor))
-    if found is None or found[0]() is not tensor:
-        return tensor
-    decision = store.policy.decide_name(name)
-    if decision is None:
-        return tensor
-    _, op, index, siblings = found
-    if _traits(op) & _VIEW_OR_INPLACE:
-        raise ValueError(
-            f"remat.tag: {name!r} names the output of {op}, a view or in-place op whose memory belongs to "
-            "another tensor; tag the tensor it was computed from (e.g. before reshape/transpose/unbind)."
-        )
-    slot = store.slots[id(op)]
-    action = _action(decision)
-    if action == _RECOMPUTE:
-        slot.kept.pop(index, None)
-        return tensor
-    if siblings is None:
-        output = tensor
-    else:
-        # A multi-output op (e.g. attention with its log-sum-exp) is served whole or rerun whole.
-        output = tuple(ref() if isinstance(ref, weakref.ref) else ref for ref in siblings)
-        if any(t is None for t in output):
-            return tensor
-    slot.kept[index] = _keep(output, action == _OFFLOAD)
-    return tensor
-
-
 def create_selective_checkpoint_contexts(
     policy_fn_or_list: Callable[..., Any] | list,
     allow_cache_entry_mutation: bool = False,
@@ -625,7 +325,7 @@ def create_selective_checkpoint_contexts(
         >>> y = remat.checkpoint(fn, x, context_fn=ctx)
     """
     if isinstance(policy_fn_or_list, (list, tuple, set, frozenset)):
-        from .policies import Policy
+        from .rules import Policy
 
         for op in policy_fn_or_list:
             if isinstance(op, torch._ops.OpOverloadPacket):

@@ -1,6 +1,6 @@
 """The cheapest checkpointing plan that fits a memory budget.
 
-Cost model (from a :class:`~remat.profile.Profile` of one step without checkpointing).  Each block has a
+Cost model (from a :class:`~remat.planning.profile.StepProfile` of one step without checkpointing).  Each block has a
 list of :class:`BlockOption`; each option keeps some of the block's own bytes from its forward to its
 backward, costs extra time, and (if it recomputes) keeps the block's inputs and raises the block's backward
 by its recomputation's transient bytes:
@@ -30,27 +30,16 @@ shared storages still held finds the exact optimum of this model.
 from __future__ import annotations
 
 import bisect
-import json
 import operator
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch import nn
+from .options import DEFAULT_ALLOW, BlockOption, block_options
+from .plan import Plan
+from .profile import StepProfile
+from .units import format_bytes, parse_bytes
 
-from .memory import format_bytes, parse_bytes
-from .modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
-from .oppolicy import BlockPolicy
-from .policies import save_matmuls
-from .profile import Profile
-from .profile import profile as run_profile
-
-__all__ = ["BlockOption", "InfeasibleBudget", "Plan", "block_options", "plan", "plan_from_profile", "predict_peak"]
-
-OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload")
-DEFAULT_ALLOW = OPTIONS[1:]
-_OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice
+__all__ = ["InfeasibleBudget", "plan_from_profile", "predict_peak"]
 
 
 class InfeasibleBudget(ValueError):
@@ -87,69 +76,6 @@ class InfeasibleBudget(ValueError):
         )
 
 
-@dataclass(frozen=True)
-class BlockOption:
-    """One way to run a block in the plan.
-
-    ``kept``: bytes of the block's own storages (see :class:`~remat.profile.ModuleProfile`) alive from its
-    forward to its backward.  ``recomputes``: the block is checkpointed, so it holds its inputs until its
-    backward and reruns there, raising that backward by ``transient`` bytes above the live bytes at its
-    start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
-    the built-in options, installed by name).  ``policy``: the op-level decisions of a ``selective`` option
-    (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known.
-
-    Example:
-        >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
-        ...             transient=row.recompute_bytes, recomputes=True)
-    """
-
-    name: str
-    kept: int
-    extra_time: float = 0.0
-    transient: int = 0
-    recomputes: bool = False
-    wrap: Callable[[nn.Module], nn.Module] | None = field(default=None, compare=False)
-    policy: BlockPolicy | None = field(default=None, compare=False)
-    recomputed_ops: int | None = field(default=None, compare=False)
-
-
-def block_options(prof: Profile, allow: Sequence[str] = DEFAULT_ALLOW) -> list[list[BlockOption]]:
-    """The options of every block (``keep`` first), as the planner sees them.
-
-    ``selective`` options come from the profile's op graphs (``prof.ops``, recorded by
-    ``remat.profile(..., ops=True)``); without them a plan chooses among the other options.
-
-    Example:
-        >>> [o.name for o in block_options(prof)[0]]
-        ['keep', 'checkpoint', 'save_matmuls', 'selective', 'selective', ...]
-    """
-    unknown = set(allow) - set(DEFAULT_ALLOW)
-    if unknown:
-        raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(DEFAULT_ALLOW)}.")
-    on_accelerator = not prof.device.startswith(("cpu", "meta"))
-    selective = {}
-    if "selective" in allow and prof.ops is not None:
-        from .opoptions import selective_options
-
-        selective = selective_options(prof, prof.ops)
-    per_block = []
-    for row in prof.rows:
-        choices = [BlockOption("keep", row.own_bytes)]
-        if "checkpoint" in allow and row.checkpoint_time != float("inf"):
-            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
-        if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
-            # The matmul outputs autograd does not save are released as soon as the recomputation has used
-            # them, like the forward's temporaries that recompute_bytes already counts.
-            choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
-                                       row.recompute_bytes, True))
-        choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
-        if "offload" in allow and on_accelerator:
-            copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
-            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))
-        per_block.append(choices)
-    return per_block
-
-
 class _Accounting:
     """The segment constraints of a profile, arranged for the chain DP.
 
@@ -158,7 +84,7 @@ class _Accounting:
     ``shared`` is a constant plus the bytes of the varying storages whose bit is set.
     """
 
-    def __init__(self, prof: Profile) -> None:
+    def __init__(self, prof: StepProfile) -> None:
         n = len(prof.rows)
         self.n = n
         self.shared = prof.shared
@@ -200,7 +126,7 @@ class _Accounting:
         # after deciding block p, bits no later check reads are dropped so equal futures merge
         self.keep_bits = [sum(1 << k for k, last in enumerate(last_use) if last > p) for p in range(n)]
 
-    def _start_terms(self, prof: Profile, previous: int | None, q: int, holders: list[set[int]]
+    def _start_terms(self, prof: StepProfile, previous: int | None, q: int, holders: list[set[int]]
                      ) -> tuple[int, list[tuple[int, int]]]:
         """Shared terms at the start of block q's backward: alive as at the end of the segment before it."""
         const, varying = 0, []
@@ -233,7 +159,7 @@ class _Accounting:
         return peak
 
 
-def _resolve_options(prof: Profile, allow: Sequence[str], options: list[list[BlockOption]] | None
+def _resolve_options(prof: StepProfile, allow: Sequence[str], options: list[list[BlockOption]] | None
                      ) -> list[list[BlockOption]]:
     if options is None:
         return block_options(prof, allow)
@@ -242,7 +168,7 @@ def _resolve_options(prof: Profile, allow: Sequence[str], options: list[list[Blo
     return options
 
 
-def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] = DEFAULT_ALLOW,
+def predict_peak(prof: StepProfile, decisions: Sequence[str], allow: Sequence[str] = DEFAULT_ALLOW,
                  options: list[list[BlockOption]] | None = None) -> int:
     """The cost model's whole-step peak for one decision (an option name) per block, in profile order.
 
@@ -264,7 +190,7 @@ def predict_peak(prof: Profile, decisions: Sequence[str], allow: Sequence[str] =
     return _peak(prof, chosen)
 
 
-def _peak(prof: Profile, chosen: Sequence[BlockOption]) -> int:
+def _peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
     accounting = _Accounting(prof)
     peak, freed, mask = 0, 0, 0
     for p in range(accounting.n + 1):
@@ -279,7 +205,7 @@ def _peak(prof: Profile, chosen: Sequence[BlockOption]) -> int:
     return peak
 
 
-def _solve(prof: Profile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
+def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
            ) -> list[int] | None:
     """Exact DP over the chain; the index of each block's option, or None if nothing fits.
 
@@ -362,7 +288,7 @@ def _freed(state: tuple[float, int, Any]) -> int:
 _time_then_freed = operator.itemgetter(0, 1)
 
 
-def _caps(prof: Profile, budget: int, options: list[list[BlockOption]], accounting: _Accounting) -> list[int]:
+def _caps(prof: StepProfile, budget: int, options: list[list[BlockOption]], accounting: _Accounting) -> list[int]:
     """cap[p]: freeing more than this before block p helps no later check, whatever the plan does next.
 
     States above the cap are equivalent, so the DP clamps them to it: the front stays small and the
@@ -386,7 +312,7 @@ def _caps(prof: Profile, budget: int, options: list[list[BlockOption]], accounti
     return cap
 
 
-def _smallest_peak(prof: Profile, options: list[list[BlockOption]]) -> int:
+def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     """The lowest peak any plan reaches (a bisection on the budget; feasibility ignores time)."""
     low, high = 0, prof.peak_bytes
     while low < high:
@@ -398,7 +324,7 @@ def _smallest_peak(prof: Profile, options: list[list[BlockOption]]) -> int:
     return low
 
 
-def _resolve_budget(prof: Profile, budget: int | float | str) -> int:
+def _resolve_budget(prof: StepProfile, budget: int | float | str) -> int:
     if isinstance(budget, str):
         return parse_bytes(budget)
     if isinstance(budget, float) and 0 < budget <= 1:
@@ -412,7 +338,7 @@ def _resolve_budget(prof: Profile, budget: int | float | str) -> int:
 
 
 def plan_from_profile(
-    prof: Profile,
+    prof: StepProfile,
     budget: int | float | str,
     allow: Sequence[str] = DEFAULT_ALLOW,
     options: list[list[BlockOption]] | None = None,
@@ -457,176 +383,3 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
         summary["recomputed_ops"] = option.recomputed_ops
     return summary
 
-
-def plan(
-    model: nn.Module,
-    *example_inputs: Any,
-    budget: int | float | str,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    allow: Sequence[str] = DEFAULT_ALLOW,
-    modules: Sequence[str] | None = None,
-    **example_kwargs: Any,
-) -> Plan:
-    """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
-
-    ``budget``: bytes, a size string (``"8GiB"``, ``"512MB"``) for the whole peak, or a fraction (``0.5``)
-    of the unplanned step's peak above the parameters.  ``allow`` lists the options a block may take
-    besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective`` (op-level: keep chosen op outputs of
-    the block, recompute the rest; needs one more forward to record the op graphs) and ``offload`` (only
-    considered on an accelerator).  For several budgets, profile once and call ``prof.plan(budget)`` for each.
-
-    Example:
-        >>> p = remat.plan(model, input_ids=ids, labels=ids, budget=0.5)   # Hugging Face: .loss is the loss
-        >>> print(p)
-        >>> p.apply(model)
-    """
-    if any(isinstance(m, ActivationWrapper) for m in model.modules()):
-        raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
-                         "(plan.remove(model)) so the profile sees the step without checkpointing.")
-    prof = run_profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
-                       **example_kwargs)
-    return plan_from_profile(prof, budget, allow)
-
-
-@dataclass
-class Plan:
-    """One decision per candidate module, with the predicted peak and extra time.
-
-    ``decisions`` maps each module's qualified name to its option; a ``selective`` block's op-level
-    decisions are in ``policies`` (``{"mode", "ops": [{"op", "call", "bytes", "decision"}, ...]}``, see
-    :class:`~remat.oppolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
-    Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
-
-    Example:
-        >>> p = prof.plan(0.5); p.save("plan.json")
-        >>> remat.Plan.load("plan.json").apply(model)
-    """
-
-    decisions: dict[str, str]
-    predicted_peak: int
-    predicted_extra_time: float
-    budget: int
-    baseline_peak: int
-    param_bytes: int
-    step_time: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
-    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
-    blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
-
-    def _installer(self, name: str, decision: str) -> tuple[Callable[[nn.Module], nn.Module], Any]:
-        """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
-        if name in self.policies:
-            policy = BlockPolicy.from_dict(self.policies[name])
-            return policy.wrap, (decision, policy.to_dict())
-        wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
-        if wrap is None:
-            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
-                             "JSON knows only the built-in options and op-level policies; rebuild it from the "
-                             "profile and options.")
-        return wrap, (decision, None)
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        """Wrap the planned modules in place (idempotent; a changed plan re-wraps). Returns ``model``.
-
-        Example:
-            >>> plan.apply(model)
-        """
-        for name, decision in self.decisions.items():
-            parent, child, current = _locate(model, name)
-            wrapped = isinstance(current, ActivationWrapper)
-            inner = current._checkpoint_wrapped_module if wrapped else current
-            if decision == "keep":
-                setattr(parent, child, inner)
-                continue
-            wrap, identity = self._installer(name, decision)
-            if wrapped and getattr(current, "_remat_decision", None) == identity:
-                continue
-            inner._remat_path = name
-            wrapper = wrap(inner)
-            wrapper._remat_decision = identity
-            setattr(parent, child, wrapper)
-        return model
-
-    def remove(self, model: nn.Module) -> nn.Module:
-        """Undo :meth:`apply`. Returns ``model``.
-
-        Example:
-            >>> plan.remove(model)
-        """
-        for name in self.decisions:
-            parent, child, current = _locate(model, name)
-            if isinstance(current, ActivationWrapper):
-                setattr(parent, child, current._checkpoint_wrapped_module)
-        return model
-
-    def save(self, path: str) -> None:
-        """Write the plan as JSON keyed by module qualified names.
-
-        Example:
-            >>> plan.save("plan.json")
-        """
-        with open(path, "w") as f:
-            json.dump({f.name: getattr(self, f.name) for f in fields(self)}, f, indent=2)
-
-    @classmethod
-    def load(cls, path: str) -> Plan:
-        """Read a plan written by :meth:`save`.
-
-        Example:
-            >>> remat.Plan.load("plan.json").apply(model)
-        """
-        with open(path) as f:
-            return cls(**json.load(f))
-
-    def __str__(self) -> str:
-        counts: dict[str, int] = {}
-        for decision in self.decisions.values():
-            counts[decision] = counts.get(decision, 0) + 1
-        width = max([len(n) for n in self.decisions] + [6])
-        lines = [f"{'module':<{width}}  {'decision':<12} {'kept':>10} {'extra ms':>9} {'ops rerun':>9}  keeps",
-                 "-" * (width + 60)]
-        for name, decision in self.decisions.items():
-            block = self.blocks.get(name, {})
-            kept = format_bytes(block["kept"]) if "kept" in block else ""
-            extra = f"{block['extra_time'] * 1e3:.1f}" if "extra_time" in block else ""
-            rerun = str(block.get("recomputed_ops", ""))
-            lines.append(f"{name:<{width}}  {decision:<12} {kept:>10} {extra:>9} {rerun:>9}  "
-                         f"{_kept_ops(self.policies.get(name))}".rstrip())
-        summary = ", ".join(f"{count} {option}" for option, count in counts.items() if count)
-        above = self.predicted_peak - self.param_bytes
-        base_above = self.baseline_peak - self.param_bytes
-        lines.append(
-            f"{summary}. Predicted peak {format_bytes(self.predicted_peak)} (budget {format_bytes(self.budget)}; "
-            f"{format_bytes(above)} above parameters vs {format_bytes(base_above)} without a plan); "
-            f"predicted extra time {self.predicted_extra_time * 1e3:.1f} ms per step"
-            + (f" (+{self.predicted_extra_time / self.step_time:.0%})" if self.step_time else "")
-        )
-        return "\n".join(lines)
-
-
-def _kept_ops(policy: dict[str, Any] | None, shown: int = 4) -> str:
-    """The largest op outputs a selective policy keeps, as ``op#call``."""
-    if not policy:
-        return ""
-    kept = sorted((d for d in policy["ops"] if d["decision"] == "keep"), key=lambda d: -d["bytes"])
-    names = [f"{d['op'].split('.')[1]}#{d['call']}" for d in kept[:shown]]
-    more = f" +{len(kept) - shown} more" if len(kept) > shown else ""
-    return ", ".join(names) + more
-
-
-def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    if isinstance(parent, ActivationWrapper):
-        parent = parent._checkpoint_wrapped_module
-    return parent, child, getattr(parent, child)
-
-
-_WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
-    "checkpoint": checkpoint_wrapper,
-    "save_matmuls": lambda m: checkpoint_wrapper(m, policy=save_matmuls),
-    "offload": offload_wrapper,
-}

@@ -18,13 +18,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .memory import format_bytes, measure_step
-from .models import GPT, Block, GPTConfig, synthetic_batch
-from .modules import apply_activation_checkpointing
-from .planner import InfeasibleBudget, Plan, block_options, plan_from_profile
-from .policies import save_matmuls
-from .profile import Profile, live_bytes_timeline
-from .profile import profile as run_profile
+from ..api.modules import apply_activation_checkpointing
+from ..models import GPT, Block, GPTConfig, synthetic_batch
+from ..planning.memory import measure_step
+from ..planning.options import block_options
+from ..planning.plan import Plan
+from ..planning.solver import InfeasibleBudget, plan_from_profile
+from ..planning.timeline import live_bytes_timeline
+from ..planning.units import format_bytes
+from ..planning.workflow import Profile
+from ..planning.workflow import profile as run_profile
+from ..policies.rules import save_matmuls
 
 __all__ = ["ModeResult", "plot", "run_demo"]
 

@@ -1,0 +1,137 @@
+"""What each block may become in a plan: keep, checkpoint, save_matmuls, selective points, offload.
+
+Each option is a :class:`BlockOption`: the bytes of the block's own it keeps from forward to backward, the
+extra step time it costs, the transient its recomputation adds in backward, and how to install it.
+Built-in options come from the measured profile.
+
+``selective`` options are points of each block's op-level front (:mod:`remat.planning.fronts`).
+A front point (:class:`~remat.planning.fronts.FrontPoint`) is stated in the op graph's terms: bytes the block keeps
+(its inputs plus the kept op outputs) and extra seconds predicted from per-op kernel times.  The solver
+(:mod:`remat.planning.solver`) works in the whole-step profile's terms.  The translation, per block:
+
+* kept bytes: what the block holds when checkpointed (``row.held_bytes``) plus the kept op outputs —
+  exact, both are storage bytes;
+* transient: the recomputation's measured peak (``row.recompute_bytes``) less what the kept outputs
+  spare it (the front's ``recompute_peak`` of plain checkpointing minus the point's);
+* extra time: the point's predicted time scaled by the block's measured whole-step price of checkpointing
+  over the front's prediction of it, so every option of a block is priced on one scale.
+
+Only the front's interior points become options: its two ends are the planner's own ``checkpoint`` and
+``keep``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .blockpolicy import BlockPolicy
+from .fronts import FrontPoint, fronts, policy_for, thin_front
+from .opgraph import BlockGraph, OpProfile
+from .profile import ModuleProfile, StepProfile
+
+__all__ = ["BlockOption", "block_options", "selective_options"]
+
+OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload")
+DEFAULT_ALLOW = OPTIONS[1:]
+_OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One way to run a block in the plan.
+
+    ``kept``: bytes of the block's own storages (see :class:`~remat.planning.profile.ModuleProfile`) alive from its
+    forward to its backward.  ``recomputes``: the block is checkpointed, so it holds its inputs until its
+    backward and reruns there, raising that backward by ``transient`` bytes above the live bytes at its
+    start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
+    the built-in options, installed by name).  ``policy``: the op-level decisions of a ``selective`` option
+    (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known.
+
+    Example:
+        >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
+        ...             transient=row.recompute_bytes, recomputes=True)
+    """
+
+    name: str
+    kept: int
+    extra_time: float = 0.0
+    transient: int = 0
+    recomputes: bool = False
+    wrap: Callable[[nn.Module], nn.Module] | None = field(default=None, compare=False)
+    policy: BlockPolicy | None = field(default=None, compare=False)
+    recomputed_ops: int | None = field(default=None, compare=False)
+
+
+def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> list[list[BlockOption]]:
+    """The options of every block (``keep`` first), as the planner sees them.
+
+    ``selective`` options come from the profile's op graphs (``prof.ops``, recorded by
+    ``remat.profile(..., ops=True)``); without them a plan chooses among the other options.
+
+    Example:
+        >>> [o.name for o in block_options(prof)[0]]
+        ['keep', 'checkpoint', 'save_matmuls', 'selective', 'selective', ...]
+    """
+    unknown = set(allow) - set(DEFAULT_ALLOW)
+    if unknown:
+        raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(DEFAULT_ALLOW)}.")
+    on_accelerator = not prof.device.startswith(("cpu", "meta"))
+    selective = {}
+    if "selective" in allow and prof.ops is not None:
+        from .options import selective_options
+
+        selective = selective_options(prof, prof.ops)
+    per_block = []
+    for row in prof.rows:
+        choices = [BlockOption("keep", row.own_bytes)]
+        if "checkpoint" in allow and row.checkpoint_time != float("inf"):
+            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
+        if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
+            # The matmul outputs autograd does not save are released as soon as the recomputation has used
+            # them, like the forward's temporaries that recompute_bytes already counts.
+            choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
+                                       row.recompute_bytes, True))
+        choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
+        if "offload" in allow and on_accelerator:
+            copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
+            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))
+        per_block.append(choices)
+    return per_block
+
+
+def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12) -> dict[str, list[BlockOption]]:
+    """Per block of ``prof`` with an op graph in ``ops``: up to ``points`` selective options from its front.
+
+    Example:
+        >>> extra = selective_options(prof, remat.profile_ops(model, tokens))
+        >>> [o.name for o in extra["blocks.0"]]
+        ['selective', 'selective', ...]
+    """
+    per_block = fronts(ops)
+    options: dict[str, list[BlockOption]] = {}
+    for row in prof.rows:
+        front = per_block.get(row.name)
+        if not front or front[0].mode != "checkpoint" or row.checkpoint_time == float("inf"):
+            continue
+        graph = ops.blocks[row.name]
+        interior = [p for p in thin_front(front, points + 2) if p.mode == "selective"]
+        options[row.name] = [_option(row, graph, front[0], p) for p in interior]
+    return options
+
+
+def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point: FrontPoint) -> BlockOption:
+    scale = row.checkpoint_time / checkpoint.extra_time if checkpoint.extra_time > 0 else 1.0
+    policy = policy_for(graph, point)
+    return BlockOption(
+        "selective",
+        kept=row.held_bytes + point.kept_bytes - point.input_bytes,
+        extra_time=point.extra_time * scale,
+        transient=max(0, row.recompute_bytes - (checkpoint.recompute_peak - point.recompute_peak)),
+        recomputes=True,
+        wrap=policy.wrap,
+        policy=policy,
+        recomputed_ops=point.recomputed_ops,
+    )

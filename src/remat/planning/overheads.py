@@ -1,0 +1,106 @@
+"""The machinery's own price: host time per operator under a policy, and per byte copied.
+
+Measured once per process on small tensors, where the dispatch cost shows; op-level fronts add it to the
+kernel time of each op a policy sees.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..api.checkpoint import checkpoint
+from .blockpolicy import BlockPolicy, OpDecision
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds the checkpoint machinery adds on this host, whatever the ops cost.
+
+    ``region``: per checkpointed call (frame, input saver, RNG capture and
+    replay); ``per_saved``: per tensor autograd saves inside a region
+    (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
+    op dispatched under a selective policy in forward / in recomputation;
+    ``copy_per_byte``: per byte of one device copy (a kept random in-place op
+    is copied in forward and copied back in recomputation).
+    """
+
+    region: float
+    per_saved: float
+    policy_forward: float
+    policy_replay: float
+    copy_per_byte: float
+
+
+def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = x.sin()  # saves its input: one saved tensor per op
+    return x
+
+
+@functools.cache
+def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20) -> Overheads:
+    """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per process).
+
+    The per-op policy figures are a floor: between ops that stream megabytes
+    through the caches the same Python work costs more (2-4x for the demo GPT
+    block here), so :func:`~remat.planning.opgraph.profile_ops` measures them again on
+    each block it times.  ``copy_per_byte`` is the time of cloning a
+    ``copy_bytes`` CPU tensor, per byte.
+
+    Example:
+        >>> measure_overheads().policy_forward  # seconds per op, some microseconds
+    """
+    x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+    sin = torch.ops.aten.sin.default
+    # A policy whose table holds the op (so every call is counted) but keeps no call of it.
+    probe = BlockPolicy("selective", [OpDecision(str(sin), ops + 1, 0, "keep")])
+
+    def under_policy() -> tuple[float, float]:
+        forward, recompute = probe.context_fn()
+        start = time.perf_counter()
+        with forward:
+            _chain(x, ops)
+        middle = time.perf_counter()
+        with recompute:
+            _chain(x, ops)
+        return middle - start, time.perf_counter() - middle
+
+    steps: dict[str, Callable[[], Any]] = {
+        "forward": lambda: _chain(x, ops),
+        "short": lambda: _chain(x, 1).sum().backward(),
+        "short_ckpt": lambda: checkpoint(_chain, x, 1).sum().backward(),
+        "long": lambda: _chain(x, ops).sum().backward(),
+        "long_ckpt": lambda: checkpoint(_chain, x, ops).sum().backward(),
+    }
+    block = torch.ones(copy_bytes // 4)
+    steps["copy"] = block.clone
+    samples: dict[str, list[float]] = {label: [] for label in (*steps, "recorder", "replayer")}
+    with torch.random.fork_rng(devices=[]):
+        for _ in range(rounds):
+            for label, step in steps.items():
+                start = time.perf_counter()
+                step()
+                samples[label].append(time.perf_counter() - start)
+            recorded, replayed = under_policy()
+            samples["recorder"].append(recorded)
+            samples["replayer"].append(replayed)
+    x.grad = None
+    t = {label: statistics.median(values) for label, values in samples.items()}
+    # A checkpointed chain of n ops recomputes n - 1 of them: the last op's saved input is its last pack.
+    extra_short = t["short_ckpt"] - t["short"]
+    extra_long = t["long_ckpt"] - t["long"] - t["forward"] * (ops - 1) / ops
+    per_saved = max((extra_long - extra_short) / (ops - 1), 0.0)
+    return Overheads(
+        region=max(extra_short - per_saved, 0.0),
+        per_saved=per_saved,
+        policy_forward=max((t["recorder"] - t["forward"]) / ops, 0.0),
+        policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
+        copy_per_byte=t["copy"] / copy_bytes,
+    )

@@ -1,0 +1,282 @@
+"""The memory timeline of one training step: live bytes per segment, and who holds each storage.
+
+A dispatch mode counts every storage as ops allocate it and weak references see it die; hooks on the
+candidate blocks mark the segments (each block's forward and backward, the stretches between), record the
+blocks' inputs and outputs, and a saved-tensor hook records which block saves what for backward.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..engine.replay import tensor_leaves
+from ..policies.rules import MATMUL_OPS
+
+
+@dataclass
+class Segment:
+    """The peak of live bytes in one stretch of the step.
+
+    ``prefix`` blocks come before it (their decisions change it); ``block`` is set for a block's own
+    backward (its recomputation raises it); ``start`` is the live bytes when the stretch began;
+    ``backward`` says whether the stretch comes after the model's forward.
+    """
+
+    label: str
+    peak: int
+    prefix: int
+    block: int | None = None
+    start: int = 0
+    backward: bool = False
+
+
+class _Storage:
+    """What the profile learns about one storage: size, life in raw segments, who saves and takes it."""
+
+    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted")
+
+    def __init__(self, nbytes: int, birth: int, existing: bool, counted: bool) -> None:
+        self.nbytes, self.birth, self.death, self.existing, self.counted = nbytes, birth, None, existing, counted
+        self.savers: set[int | None] = set()  # block indices; None for code outside the blocks
+        self.inputs: set[int] = set()
+
+
+class _Timeline(TorchDispatchMode):
+    """Counts live storage bytes as ops allocate and tensors die; keeps the peak of each segment."""
+
+    def __init__(self, existing: Sequence[torch.Tensor], record: bool = False,
+                 uncounted: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.series: list[int] | None = [] if record else None  # live bytes after every op
+        self.live = 0
+        self.segment_peak = 0
+        self.segments: list[tuple[str, int, int, int]] = []  # (label, peak, ops in it, live at its start)
+        self.ops = 0
+        self.segment_start = 0
+        self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.records: list[_Storage] = []
+        for t in existing:
+            self.track(t, existing=True)
+        for t in uncounted:
+            self.track(t, existing=True, counted=False)
+        self.segment_peak = self.segment_start = self.live
+
+    def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
+        """The record of ``t``'s storage, created (and counted live) on first sight."""
+        storage = t.untyped_storage()
+        found = self.storages.get(storage)
+        if found is not None:
+            return found
+        record = _Storage(storage.nbytes(), len(self.segments), existing, counted)
+        self.storages[storage] = record
+        self.records.append(record)
+        self.live += record.nbytes if counted else 0
+        self.segment_peak = max(self.segment_peak, self.live)
+        # A storage's Python object lives as long as the storage: its death frees the bytes.
+        weakref.finalize(storage, self._free, record)
+        return record
+
+    def _free(self, record: _Storage) -> None:
+        self.live -= record.nbytes if record.counted else 0
+        record.death = len(self.segments)
+
+    def mark(self, label: str) -> None:
+        """Close the current segment under ``label`` and start the next one."""
+        self.segments.append((label, self.segment_peak, self.ops, self.segment_start))
+        self.segment_peak = self.segment_start = self.live
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        if self.series is not None:
+            self.series.append(self.live)
+        return out
+
+
+class _Probe:
+    """Hooks on the candidate modules: forward and backward windows, inputs, saved tensors."""
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], timeline: _Timeline) -> None:
+        self.blocks = blocks
+        self.index = {id(m): i for i, (_, m) in enumerate(blocks)}
+        self.timeline = timeline
+        n = len(blocks)
+        self.input_bytes = [0] * n
+        self.output_bytes = [0] * n
+        self.forward_start = [0] * n
+        self.last_save_peak = [0] * n  # the forward's peak when it saved its last tensor (where early stop ends)
+        self.seconds = [0.0] * n
+        self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
+        self.started = 0.0
+        self.current: int | None = None
+        self.last_backward: int | None = None
+        self.in_forward = True
+        self.handles: list[Any] = []
+
+    def install(self) -> None:
+        for _, module in self.blocks:
+            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        i = self.index[id(module)]
+        self.timeline.mark(f"before forward {i}")
+        self.current = i
+        self.forward_start[i] = self.last_save_peak[i] = self.timeline.live
+        seen = set()
+        for t in tensor_leaves((args, kwargs)):
+            record = self.timeline.track(t)
+            record.inputs.add(i)
+            if id(record) not in seen:
+                seen.add(id(record))
+                self.input_bytes[i] += record.nbytes
+        self.started = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        i = self.index[id(module)]
+        self.seconds[i] += time.perf_counter() - self.started
+        self.current = None
+        self.timeline.mark(f"forward {i}")
+        outs = list(tensor_leaves(output))
+        self.outputs[i] = {self.timeline.track(t) for t in outs}
+        self.output_bytes[i] = sum(r.nbytes for r in self.outputs[i])
+        for t in outs:
+            if t.requires_grad:
+                t.register_hook(lambda g, i=i: self._backward_starts(i))
+
+    def _backward_starts(self, i: int) -> None:
+        """Block i's backward starts when the gradient of one of its outputs is complete.
+
+        It ends when the next block's starts: whatever runs between is counted with it (a safe side, as
+        its saved tensors may still be alive there).  Later outputs of the same block, and blocks out of
+        chain order, change nothing.
+        """
+        if self.last_backward is not None and i >= self.last_backward:
+            return
+        self.close_backward()
+        self.last_backward = i
+
+    def close_backward(self) -> None:
+        """Close the current backward stretch (after the loss, or a block's backward)."""
+        last = self.last_backward
+        self.timeline.mark("after loss" if last is None else f"backward {last}")
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.in_forward:
+            record = self.timeline.track(t)
+            record.savers.add(self.current)
+            if self.current is not None:
+                self.last_save_peak[self.current] = self.timeline.segment_peak
+        return t
+
+
+class _MatmulMeter(TorchDispatchMode):
+    """Bytes of matmul-like outputs and the time spent in matmul-like ops, per block."""
+
+    def __init__(self, probe: _Probe) -> None:
+        super().__init__()
+        self.probe = probe
+        n = len(probe.blocks)
+        self.time = [0.0] * n
+        self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        i = self.probe.current
+        if i is None or func not in MATMUL_OPS:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.time[i] += time.perf_counter() - start
+        for t in tensor_leaves(out):
+            self.outputs[i].add(self.probe.timeline.track(t))
+        return out
+
+
+def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
+           blocks: list[tuple[str, nn.Module]], *modes: Any) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
+    """One instrumented step: the memory timeline, who saves and takes which storage, matmul outputs."""
+    params = list(model.parameters())
+    # The example inputs exist before the step and are not counted, as MemTracker does not see them.
+    timeline = _Timeline([*params, *model.buffers()], uncounted=inputs)
+    probe = _Probe(blocks, timeline)
+    meter = _MatmulMeter(probe)
+    probe.install()
+    try:
+        with ExitStack() as contexts:
+            for context in (torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter,
+                            *modes):
+                contexts.enter_context(context)
+            loss = step()
+            timeline.mark("loss")
+            probe.in_forward = False
+            loss.backward()
+            del loss
+        probe.close_backward()
+    finally:
+        probe.remove()
+    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    return timeline, probe, meter, grad_bytes
+
+
+def live_bytes_timeline(step: Callable[[], Any], *existing: torch.Tensor) -> list[int]:
+    """Live storage bytes after every operator of ``step()``; pass the tensors that exist before it.
+
+    Example:
+        >>> series = live_bytes_timeline(lambda: model(x).sum().backward(), *model.parameters(), x)
+    """
+    timeline = _Timeline(existing, record=True)
+    with timeline:
+        step()
+    return timeline.series
+
+
+def _unpack_identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _segments(marks: list[tuple[str, int, int, int]], n: int) -> tuple[list[Segment], list[int]]:
+    """Turn the marks into segments that know how many blocks precede them; also each one's last raw mark.
+
+    Marks with no op between them fired at the same instant: they close one segment, named after a
+    block's backward when one is among them.
+    """
+    groups: list[list[tuple[int, str, int, int]]] = []
+    for k, (label, peak, ops, start) in enumerate(marks):
+        if groups and ops == 0:
+            groups[-1].append((k, label, peak, start))
+        else:
+            groups.append([(k, label, peak, start)])
+    segments, last_raw = [], []
+    for group in groups:
+        labels = [label for _, label, _, _ in group]
+        label = next((x for x in labels if x.startswith("backward ")), labels[0])
+        peak, start = group[0][2], group[0][3]
+        last_raw.append(group[-1][0])
+        head, _, number = label.rpartition(" ")
+        if head == "backward":
+            segments.append(Segment(label, peak, int(number), int(number), start, backward=True))
+        elif head in ("forward", "before forward"):
+            segments.append(Segment(label, peak, int(number), start=start))
+        elif label == "loss":
+            segments.append(Segment(label, peak, n, start=start))
+        else:  # "after loss": every block's backward is still to come
+            segments.append(Segment(label, peak, n, start=start, backward=True))
+    return segments, last_raw

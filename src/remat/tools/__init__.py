@@ -1,0 +1,1 @@
+"""The ``remat`` command, its demo, and the benchmark helpers."""
