@@ -6,24 +6,5 @@ selective engine that applies any policy in eager mode is :mod:`.selective`, its
 :mod:`.offload`.
 """
 
-from .rules import (
-    MATMUL_OPS,
-    Policy,
-    combine,
-    offload_names,
-    save_all_but_names,
-    save_matmuls,
-    save_names,
-    save_nothing,
-)
-
-__all__ = [
-    "MATMUL_OPS",
-    "Policy",
-    "combine",
-    "offload_names",
-    "save_all_but_names",
-    "save_matmuls",
-    "save_names",
-    "save_nothing",
-]
+from .rules import *  # noqa: F403 - the ready-made policies are this package's surface
+from .rules import __all__  # noqa: F401
