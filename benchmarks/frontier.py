@@ -15,7 +15,7 @@ no-checkpointing so its time ratio is measured side by side too.
 
 Peak: the whole training step's peak above parameters and buffers (gradients, activations, tensors
 recomputed in backward). Eager rows use MemTracker; compiled rows use the profiler's allocation events
-(`remat.memory.profiled_peak`), which give the same bytes on eager code. Time: median step time over
+(`remat.planning.memory.profiled_peak`), which give the same bytes on eager code. Time: median step time over
 no-checkpointing's in the same round (median over rounds, with the interquartile range of those ratios).
 """
 

@@ -196,6 +196,7 @@ import resource, sys
 import torch, torch.nn.functional as F
 import remat
 from remat.models import GPT, GPTConfig
+from remat.planning.solver import plan_from_profile
 cfg = GPTConfig(vocab_size=50257, seq_len=4096, d_model=8192, n_heads=64, n_layers=48)
 with torch.device("meta"):
     model = GPT(cfg)
@@ -203,7 +204,7 @@ with torch.device("meta"):
     targets = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len))
 prof = remat.profile(model, tokens, loss_fn=lambda o: F.cross_entropy(o.flatten(0, 1), targets.flatten()),
                      device="meta")
-plan = remat.planner.plan_from_profile(prof, "640GiB")
+plan = plan_from_profile(prof, "640GiB")
 print(len(prof.rows), prof.param_bytes, prof.peak_bytes, plan.predicted_peak, prof.rows[0].forward_time,
       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
