@@ -235,6 +235,31 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _Held:
+    """Saved-tensor hooks that keep what autograd saves in a list, the graph storing only its position.
+
+    A pack hook must not return the tensor itself here: where autograd saves an op's own output (softmax,
+    exp), the graph node would hold a tensor whose ``grad_fn`` is that node, a cycle through autograd's C++
+    side that Python's gc cannot see, and everything the graph saved before it would outlive the forward.
+    The saved tensors live as long as they would in the graph until ``clear()``.
+    """
+
+    __slots__ = ("tensors",)
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def pack(self, t: torch.Tensor) -> int:
+        self.tensors.append(t)
+        return len(self.tensors) - 1
+
+    def unpack(self, index: int) -> torch.Tensor:
+        return self.tensors[index]
+
+    def clear(self) -> None:
+        self.tensors.clear()
+
+
 class _Recorder(TorchDispatchMode):
     """Records the ops of the block being run (``current``), with packs and storage deaths."""
 
@@ -243,8 +268,9 @@ class _Recorder(TorchDispatchMode):
         self.current: _BlockRecord | None = None
         self.estimate = estimate
         self.finalizers: list[weakref.finalize] = []
+        self.held = _Held()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> int:
         record = self.current
         if record is not None:
             record.packs += 1
@@ -255,7 +281,7 @@ class _Recorder(TorchDispatchMode):
                 record.lives[where].saved = True
             elif where is not None:
                 record.input_saved.add(where)
-        return t
+        return self.held.pack(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -372,12 +398,14 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
     plain: list[float] = []
     kernels: list[list[float]] = []
     gaps: dict[str, list[list[float]]] = {"alone": [], "recorder": [], "replayer": []}
+    held = _Held()
 
     def watched(label: str, context: Any, round_index: int) -> None:
         watch = _Stopwatch(n, sync)
         with watch, context:  # the policy's mode on top: the stopwatch sees only the kernel calls
             watch.last = time.perf_counter()
             module(*args, **kwargs)
+        held.clear()
         if watch.count != n:
             raise RuntimeError(
                 f"remat.profile_ops: {record.name} ran {watch.count} ops when timed but {n} when profiled; its "
@@ -388,7 +416,7 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
             gaps[label].append(watch.gap)
 
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
-    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+    with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
         for round_index in range(repeats + 1):
             sync()
             start = time.perf_counter()
@@ -396,6 +424,7 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
             sync()
             if round_index:
                 plain.append(time.perf_counter() - start)
+            held.clear()
             watched("alone", contextlib.nullcontext(), round_index)
             # A policy with nothing to keep runs every op in replay too, so every op is timed three times.
             recorder, replayer = create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
@@ -529,8 +558,9 @@ def profile_ops(
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True))
         with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _identity), recorder:
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
                 model(*example_inputs, **example_kwargs)
+            recorder.held.clear()
             for handle in handles:
                 handle.remove()
             handles.clear()
@@ -574,7 +604,3 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
 
 def _rng_devices(tensors: list[torch.Tensor]) -> list[int]:
     return sorted({t.get_device() for t in tensors if t.device.type == "cuda"})
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
