@@ -1,0 +1,376 @@
+"""The copy engine behind every offload: device → host in forward, host → device in backward.
+
+One :class:`HostCopies` per device type serves ``remat.offload``, ``offload_wrapper``,
+``remat.save_on_cpu`` and a policy's CPU_OFFLOAD alike:
+
+* **Side stream, ordered by events.** A copy out waits (on the device) for the compute stream to reach the
+  point where the tensor was saved, runs on a side stream, and the source is marked as used by that stream
+  (``record_stream``) so the allocator cannot hand its memory out before the copy has read it.  A copy back
+  goes into memory allocated on the compute stream and the compute stream waits on the copy's event before
+  the tensor is used.  The host never waits: nothing on these paths synchronizes (once the pool holds a step's
+  blocks: allocating pinned memory itself can stall the device, so the first step pays for it).
+* **A pinned pool** (:class:`~remat.policies.hostpool.HostPool`) reused across steps, by size class; a block
+  returns to it with its last copy's event and is reused only once that event has completed, asked lazily.
+* **Prefetch in backward order**: fetching the tensor saved n-th starts the copies back of the live tensors
+  saved just before it, which backward needs next.
+* **Layouts kept**: a tensor comes back with its exact sizes, strides and alignment, so backward runs the same
+  kernels as without offload and gradients are bitwise equal.  The storage span a tensor covers is copied as
+  is (dense tensors, broadcasts, small gaps); a tensor that covers much more storage than it has elements
+  comes back contiguous.
+* **Invisible to dispatch modes**: the engine's own ops run with Python dispatch off and grad mode off, so a
+  selective policy's modes, a debug trace or a memory tracker never see them as the region's ops.
+
+The device is reached through a *device model* (streams, events, copies): :class:`TorchDevice` wraps a torch
+device module (``torch.cuda``, ``torch.xpu``), :class:`HostDevice` copies synchronously (the CPU, where nothing
+needs moving, and accelerators without streams).  :func:`use_device_model` installs another, e.g. a fake
+device with simulated streams for tests.
+
+Example:
+    >>> engine = engine_for("cuda")
+    >>> handle = engine.stash(activation)  # forward: copy out on the side stream
+    >>> again = engine.fetch(handle, prefetch=2)  # backward: same values, strides and alignment
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .hostpool import HostPool
+
+__all__ = ["HostCopies", "HostDevice", "Stashed", "TorchDevice", "engine_for", "use_device_model"]
+
+_ALIGN = 512  # the CUDA caching allocator's block alignment: kernels may pick their path by pointer alignment
+_python_dispatch_off = torch._C._DisableTorchDispatch
+
+
+class TorchDevice:
+    """A device model over a torch device module with streams and events (``torch.cuda``, ``torch.xpu``)."""
+
+    separate_memory = True  # its tensors are not in host memory: moving them frees device memory
+    asynchronous = True  # copies run on a side stream, so prefetching ahead overlaps compute
+    can_pin = True
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._side: dict[int, Any] = {}
+
+    def current_stream(self, device: torch.device) -> Any:
+        return self.module.current_stream(device)
+
+    def side_stream(self, device: torch.device) -> Any:
+        stream = self._side.get(device.index)
+        if stream is None:
+            stream = self._side[device.index] = self.module.Stream(device=device)
+        return stream
+
+    def wait_stream(self, waiter: Any, stream: Any) -> None:
+        waiter.wait_stream(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, to_host: bool) -> Any:
+        with self.module.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            return stream.record_event()
+
+    def done(self, event: Any) -> bool:
+        return event is None or event.query()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+class HostDevice:
+    """A device model that copies synchronously: the CPU (nothing to move), or an accelerator without streams."""
+
+    asynchronous = False
+    can_pin = False
+
+    def __init__(self, separate_memory: bool = False) -> None:
+        self.separate_memory = separate_memory
+
+    def current_stream(self, device: torch.device) -> None:
+        return None
+
+    side_stream = current_stream
+
+    def wait_stream(self, waiter: Any, stream: Any) -> None:
+        pass
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, to_host: bool) -> None:
+        dst.copy_(src)
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+
+class _Layout:
+    """How a tensor sits in its storage: what a copy must reproduce."""
+
+    __slots__ = ("size", "stride", "span", "exact", "pad", "dtype", "nbytes")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.size, self.dtype = t.shape, t.dtype
+        numel, item = t.numel(), t.element_size()
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        # Dense tensors, broadcasts and small gaps travel as the storage span they cover, so they come back
+        # with their strides; a thin slice of a large storage comes back contiguous instead.
+        self.exact = span <= 2 * numel
+        self.stride = t.stride() if self.exact else None
+        self.span = span if self.exact else numel
+        self.pad = t.storage_offset() * item % _ALIGN if self.exact else 0
+        self.nbytes = self.span * item
+
+    def copy_out(self, t: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Destination and source of a copy out into ``flat``: the storage span the tensor covers, or the
+        tensor itself into a contiguous layout."""
+        if self.exact:
+            return flat, t.as_strided((self.span,), (1,))
+        return flat.view(self.size), t
+
+    def place(self, flat: torch.Tensor) -> torch.Tensor:
+        """The tensor laid out in ``flat`` (``span`` elements) as the original was."""
+        return flat.as_strided(self.size, self.stride) if self.exact else flat.view(self.size)
+
+
+def _movable(t: torch.Tensor) -> bool:
+    # Subclasses (and fake or functional tensors) must keep their own dispatch; sparse and quantized
+    # tensors have no flat storage to copy.
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and not t.is_quantized
+            and not t._is_zerotensor() and t.numel() > 0 and _ALIGN % t.element_size() == 0)
+
+
+class Stashed:
+    """A tensor moved to host memory: its block, layout and device, and the state of its copy back.
+
+    When it dies (its graph was freed, or it was served for the last time) its block returns to the pool
+    with the last event that used it; nothing waits.
+    """
+
+    __slots__ = ("engine", "block", "pool", "layout", "device", "order", "event", "on_device", "source", "version",
+                 "__weakref__")
+
+    def __init__(self, engine: HostCopies, block: torch.Tensor, pool: HostPool, layout: _Layout,
+                 device: torch.device, order: int, event: Any, source: weakref.ref | None, version: int) -> None:
+        self.engine = engine  # the engine that copies it back
+        self.block = block
+        self.pool = pool
+        self.layout = layout
+        self.device = device
+        self.order = order
+        self.event = event  # the last copy that used the block: out, then back
+        self.on_device: torch.Tensor | None = None  # a copy back started ahead of use (prefetch)
+        self.source = source  # weak, to tell an in-place change after the copy (as autograd would)
+        self.version = version
+
+    def __del__(self) -> None:
+        if self.block is not None:
+            self.pool.give_back(self.block, self.event)
+            self.block = None
+
+
+class HostCopies:
+    """Moves tensors of one device type to host memory and back; see the module docstring."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.moves = model.separate_memory
+        self._pools = {pinned: HostPool(pinned, model.done) for pinned in (True, False)}
+        self._lock = threading.Lock()
+        self._order = 0
+        self._unfetched: dict[int, weakref.ref[Stashed]] = {}  # by save order, for prefetch
+        self._sweep_at = 64
+
+    def pool(self, pinned: bool = True) -> HostPool:
+        """The pool of pinned (or pageable) host blocks."""
+        return self._pools[pinned and self.model.can_pin]
+
+    def stash(self, tensor: torch.Tensor, pinned: bool = True, check_version: bool = False) -> Stashed | None:
+        """Start copying ``tensor`` to host memory; None if it cannot be moved (subclass, sparse, empty).
+
+        ``check_version=True`` makes :meth:`fetch` raise if the tensor is changed in place afterwards
+        (saved-tensor hooks: autograd's own check does not run on hooked tensors).
+        """
+        if not _movable(tensor):
+            return None
+        layout = _Layout(tensor)
+        model = self.model
+        with _python_dispatch_off(), torch.no_grad():
+            with self._lock:
+                pool = self.pool(pinned)
+                block = pool.take(layout.nbytes)
+                self._order += 1
+                order = self._order
+            side = model.side_stream(tensor.device)
+            # The side stream must see the producer's writes before it reads.
+            model.wait_stream(side, model.current_stream(tensor.device))
+            dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
+            event = model.copy(dst, src, side, True)
+            model.record_stream(tensor, side)
+        source = weakref.ref(tensor) if check_version else None
+        handle = Stashed(self, block, pool, layout, tensor.device, order, event, source, tensor._version)
+        if model.asynchronous:
+            with self._lock:
+                self._unfetched[order] = weakref.ref(handle)
+                if len(self._unfetched) >= self._sweep_at:
+                    self._sweep()
+        return handle
+
+    def fetch(self, handle: Stashed, prefetch: int = 0) -> torch.Tensor:
+        """``handle``'s tensor back on its device, usable on the current stream; starts the copies back of the
+        ``prefetch`` live tensors stashed just before it (backward needs them next)."""
+        _check_unchanged(handle)
+        with self._lock:
+            self._unfetched.pop(handle.order, None)
+            upcoming = self._preceding(handle.order, prefetch) if prefetch and self.model.asynchronous else []
+        if handle.on_device is None:
+            self._copy_back(handle)
+        for later in upcoming:
+            self._copy_back(later)
+        current = self.model.current_stream(handle.device)
+        self.model.wait_event(current, handle.event)
+        tensor, handle.on_device = handle.on_device, None  # not held here: a second backward copies again
+        return tensor
+
+    def prefetch(self, handles: Iterable[Stashed]) -> None:
+        """Start copying ``handles`` back now, in this order (only where copies run asynchronously)."""
+        if not self.model.asynchronous:
+            return
+        for handle in handles:
+            with self._lock:
+                self._unfetched.pop(handle.order, None)
+            if handle.on_device is None and handle.block is not None:
+                self._copy_back(handle)
+
+    def fence(self, handles: Iterable[Stashed]) -> None:
+        """Make the current stream wait (on the device) until the copies out of ``handles`` have completed."""
+        last: dict[torch.device, Stashed] = {}
+        for handle in handles:
+            if handle.device not in last or handle.order > last[handle.device].order:
+                last[handle.device] = handle
+        for device, handle in last.items():  # copies out of one device complete in order on its side stream
+            self.model.wait_event(self.model.current_stream(device), handle.event)
+
+    def collect(self) -> None:
+        """Put back in the pools the blocks whose copies have completed (never waits)."""
+        with self._lock:
+            for pool in self._pools.values():
+                pool.collect()
+
+    @property
+    def live(self) -> int:
+        """Stashed tensors alive and not yet fetched (tracked where copies run asynchronously)."""
+        with self._lock:
+            return sum(ref() is not None for ref in self._unfetched.values())
+
+    def _copy_back(self, handle: Stashed) -> None:
+        layout, model = handle.layout, self.model
+        with _python_dispatch_off(), torch.no_grad():
+            current, side = model.current_stream(handle.device), model.side_stream(handle.device)
+            # Allocated on the compute stream, written on the side stream: the side stream waits for the compute
+            # work queued so far (which may still use this memory) and marks the memory as its own use.
+            raw = torch.empty(layout.pad + layout.nbytes, dtype=torch.uint8, device=handle.device)
+            model.wait_stream(side, current)
+            flat = raw[layout.pad:].view(layout.dtype)
+            handle.event = model.copy(flat, handle.block[: layout.nbytes].view(layout.dtype), side, False)
+            model.record_stream(raw, side)
+            handle.on_device = layout.place(flat)
+
+    def _preceding(self, order: int, count: int) -> list[Stashed]:
+        # Save order is insertion order; in backward the newest unfetched entries are the ones needed next.
+        found: list[Stashed] = []
+        taken: list[int] = []
+        for key, ref in reversed(self._unfetched.items()):
+            if key >= order:
+                continue
+            taken.append(key)
+            handle = ref()
+            if handle is not None and handle.on_device is None:
+                found.append(handle)
+                if len(found) == count:
+                    break
+        for key in taken:
+            del self._unfetched[key]
+        return found
+
+    def _sweep(self) -> None:
+        for key in [k for k, ref in self._unfetched.items() if ref() is None]:
+            del self._unfetched[key]
+        self._sweep_at = max(64, 2 * len(self._unfetched))
+
+
+def _check_unchanged(handle: Stashed) -> None:
+    source = handle.source() if handle.source is not None else None
+    if source is not None and source._version != handle.version:
+        raise RuntimeError(
+            "remat: a tensor saved for backward was modified in place after it was offloaded to host memory "
+            f"(its version went from {handle.version} to {source._version}); plain autograd refuses this too. "
+            "Clone the tensor before modifying it, or modify it before the operation that saves it."
+        )
+
+
+_engines: dict[str, HostCopies] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(device_type: str) -> HostCopies | None:
+    """The process's copy engine for tensors of ``device_type`` (created on first use); None for ``"meta"``.
+
+    Example:
+        >>> engine_for("cpu").moves  # CPU tensors are host memory already
+        False
+    """
+    engine = _engines.get(device_type)
+    if engine is None and device_type != "meta":
+        with _engines_lock:
+            engine = _engines.get(device_type)
+            if engine is None:
+                engine = _engines[device_type] = HostCopies(_default_model(device_type))
+    return engine
+
+
+def _default_model(device_type: str) -> Any:
+    if device_type == "cpu":
+        return HostDevice()
+    module = getattr(torch, device_type, None)
+    if module is not None and all(hasattr(module, name) for name in ("Stream", "current_stream", "stream")):
+        return TorchDevice(module)
+    return HostDevice(separate_memory=True)
+
+
+@contextlib.contextmanager
+def use_device_model(device_type: str, model: Any) -> Iterator[HostCopies]:
+    """Serve tensors of ``device_type`` with a fresh engine over ``model`` while the block runs.
+
+    ``model`` provides what :class:`TorchDevice` does (streams, events, copies).  Offloaders created inside
+    the block keep the engine they were created with.
+
+    Example:
+        >>> with use_device_model("cpu", FakeDevice()) as engine:  # CPU tensors copied as if on a GPU
+        ...     loss = remat.checkpoint(block, x, policy=offload_matmuls)
+    """
+    engine = HostCopies(model)
+    with _engines_lock:
+        previous = _engines.get(device_type)
+        _engines[device_type] = engine
+    try:
+        yield engine
+    finally:
+        with _engines_lock:
+            if previous is None:
+                _engines.pop(device_type, None)
+            else:
+                _engines[device_type] = previous
