@@ -212,9 +212,10 @@ def checkpoint_wrapper(
 class OffloadWrapper(ActivationWrapper):
     """Runs the wrapped module under :class:`remat.offload`: its large saved tensors go to host memory.
 
-    The offloader (and its pinned buffer pool) lives as long as the wrapper, so
-    buffers are reused from step to step; ``wrapper.offloader.stats`` counts
-    what was moved.
+    The offloader lives as long as the wrapper; like every offloader it copies
+    through its device type's engine (side stream, pinned host buffers reused
+    from step to step, prefetch in backward order across wrappers), and
+    ``wrapper.offloader.stats`` counts what was moved.
 
     Example:
         >>> block = OffloadWrapper(torch.nn.Linear(4, 4), min_bytes=0)

@@ -1,25 +1,20 @@
 """Offload saved activations to host memory during forward; bring them back for backward.
 
-Two saved-tensor hook contexts:
+Two saved-tensor hook contexts, both served by the device's copy engine (:mod:`.hostcopy`: copies on a side
+stream ordered by events, a pinned pool reused across steps, prefetch in backward order, layouts kept so
+gradients are bitwise those of plain autograd):
 
-* :class:`save_on_cpu` — drop-in for ``torch.autograd.graph.save_on_cpu``:
-  every saved accelerator tensor is copied to host memory (tensors already on
-  the CPU are kept as they are, not copied).
-* :class:`offload` — the practical one: it leaves parameters, buffers and
-  small tensors where they are, reuses a pool of pinned host buffers, copies
-  on a side stream so compute is not blocked, and when backward starts
-  unpacking it prefetches the next tensors in backward order.  It counts what
-  it did in :attr:`offload.stats`.
+* :class:`save_on_cpu` — drop-in for ``torch.autograd.graph.save_on_cpu``: every saved accelerator tensor
+  goes to host memory (tensors already on the CPU are kept as they are, not copied).
+* :class:`offload` — the practical one: it leaves parameters, buffers and small tensors where they are and
+  counts what it did in :attr:`offload.stats`.
 
-On a machine without an accelerator nothing needs moving and both behave as
-plain autograd (the offloader can be pointed at ``device_type="cpu"`` to
-exercise its bookkeeping).
+On a machine without an accelerator nothing needs moving and both behave as plain autograd (the offloader
+can be pointed at ``device_type="cpu"`` to exercise its bookkeeping: it then copies through host buffers).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,8 +22,12 @@ import torch
 from torch import nn
 
 from ..engine.replay import DefaultDeviceType
+from .hostcopy import HostCopies, Stashed, engine_for
+from .hostpool import HostPool
 
 __all__ = ["OffloadStats", "offload", "save_on_cpu"]
+
+_PREFETCH_DEPTH = 2
 
 
 class OffloadStats:
@@ -47,7 +46,9 @@ class OffloadStats:
         self.kept_bytes = 0
 
     def count(self, tensor: torch.Tensor, offloaded: bool) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+        self.add(tensor.numel() * tensor.element_size(), offloaded)
+
+    def add(self, nbytes: int, offloaded: bool) -> None:
         if offloaded:
             self.offloaded_tensors += 1
             self.offloaded_bytes += nbytes
@@ -62,8 +63,20 @@ class OffloadStats:
         )
 
 
+def _unpack(packed: Any) -> torch.Tensor:
+    if type(packed) is Stashed:
+        return packed.engine.fetch(packed, _PREFETCH_DEPTH)
+    if type(packed) is tuple:  # a tensor the engine cannot move (e.g. sparse): a plain host copy
+        device, host = packed
+        return host.to(device)
+    return packed
+
+
 class save_on_cpu(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - drop-in name
     """Copy every saved accelerator tensor to host memory; copy it back in backward.
+
+    ``pin_memory=True`` uses pinned host buffers, so the copies run on a side stream while the device computes.
+    ``device_type`` is accepted for compatibility with torch's: each tensor's own device decides.
 
     Example:
         >>> with save_on_cpu(pin_memory=True):
@@ -72,62 +85,14 @@ class save_on_cpu(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - dro
     """
 
     def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
-        pin = pin_memory and _accelerator_ready(device_type)
+        def pack(tensor: torch.Tensor) -> Any:
+            engine = engine_for(tensor.device.type)
+            if engine is None or not engine.moves:
+                return tensor
+            handle = engine.stash(tensor, pinned=pin_memory, check_version=True)
+            return handle if handle is not None else (tensor.device, tensor.to("cpu"))
 
-        def pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
-            if tensor.device.type == "cpu":
-                return tensor.device, tensor
-            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
-            host.copy_(tensor)
-            return tensor.device, host
-
-        def unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
-            device, host = packed
-            return host.to(device, non_blocking=pin)
-
-        super().__init__(pack, unpack)
-
-
-def _accelerator_ready(device_type: str) -> bool:
-    module = getattr(torch, device_type, None)
-    return device_type != "cpu" and module is not None and module.is_available()
-
-
-class _PinnedPool:
-    """Host buffers reused across steps, by byte size (pinned when an accelerator is present)."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        bucket = self.free[nbytes]
-        raw = bucket.pop() if bucket else torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        return raw.view(like.dtype).view(like.shape)
-
-    def give_back(self, host: torch.Tensor) -> None:
-        raw = host.reshape(-1).view(torch.uint8)
-        self.free[raw.numel()].append(raw)
-
-
-class _Offloaded:
-    """One offloaded tensor: its host copy, where it came from, and its copy-back state."""
-
-    __slots__ = ("host", "device", "order", "ready", "event", "owner", "__weakref__")
-
-    def __init__(self, host: torch.Tensor, device: torch.device, order: int, event: Any, owner: offload) -> None:
-        self.host = host
-        self.device = device
-        self.order = order
-        self.ready: torch.Tensor | None = None
-        self.event = event
-        self.owner = owner
-
-    def __del__(self) -> None:
-        # Unpacked or freed with its graph: the host buffer can serve the next tensor.
-        if self.host is not None:
-            self.owner._release(self)
+        super().__init__(pack, _unpack)
 
 
 class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context manager, like save_on_cpu
@@ -142,6 +107,9 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         modules: modules whose parameters and buffers must never be offloaded (parameters of any
             module are recognised anyway).
 
+    Every offloader of a device type shares that type's copy engine and host pools, so buffers are reused
+    from step to step and across offloaders.
+
     Example:
         >>> with remat.offload(min_bytes=1 << 20) as off:
         ...     loss = model(x).sum()
@@ -155,87 +123,45 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         pin_memory: bool = True,
         prefetch: bool = True,
         *,
-        prefetch_depth: int = 2,
+        prefetch_depth: int = _PREFETCH_DEPTH,
         device_type: str | None = None,
         modules: Iterable[nn.Module] = (),
     ) -> None:
         self.min_bytes = min_bytes
         self.device_type = device_type or DefaultDeviceType.get_device_type()
-        accelerated = _accelerator_ready(self.device_type)
-        self.pool = _PinnedPool(pin_memory and accelerated)
-        self._device_module = torch.get_device_module(self.device_type) if accelerated else None
-        self.stream = self._device_module.Stream() if accelerated else None
-        self.prefetch_depth = prefetch_depth if prefetch and accelerated else 0
+        self.engine: HostCopies | None = engine_for(self.device_type)
+        self.pin_memory = pin_memory
+        self.prefetch_depth = prefetch_depth if prefetch else 0
         self.stats = OffloadStats()
         self._skip = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
-        self._in_flight: dict[int, Any] = {}  # order -> weakref of _Offloaded, for prefetch
-        self._counter = 0
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> offload:
         super().__enter__()
         return self
 
+    @property
+    def pool(self) -> HostPool | None:
+        """The host buffers this offloader copies into (shared with the device type's other offloaders)."""
+        return self.engine.pool(self.pin_memory) if self.engine is not None else None
+
     def _should_offload(self, tensor: torch.Tensor) -> bool:
         return (
-            tensor.device.type == self.device_type
+            self.engine is not None
+            and tensor.device.type == self.device_type
             and not isinstance(tensor, nn.Parameter)
             and tensor.numel() * tensor.element_size() >= self.min_bytes
             and tensor.untyped_storage().data_ptr() not in self._skip
         )
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if not self._should_offload(tensor):
-            self.stats.count(tensor, offloaded=False)
-            return tensor
-        host = self.pool.take(tensor)
-        event = None
-        if self.stream is not None:
-            # The side stream must see the producer's writes; the tensor must outlive the copy.
-            self.stream.wait_stream(self._device_module.current_stream())
-            with self._device_module.stream(self.stream):
-                host.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self.stream)
-                event = self.stream.record_event()
-        else:
-            host.copy_(tensor)
-        self.stats.count(tensor, offloaded=True)
-        self._counter += 1
-        handle = _Offloaded(host, tensor.device, self._counter, event, self)
-        self._in_flight[self._counter] = weakref.ref(handle)
-        return handle
-
-    def _copy_back(self, handle: _Offloaded) -> None:
-        if handle.ready is not None:
-            return
-        if self.stream is None:
-            # A copy even on the CPU: the pooled buffer is reused once this handle dies.
-            handle.ready = handle.host.to(handle.device, copy=True)
-            return
-        with self._device_module.stream(self.stream):
-            if handle.event is not None:
-                self.stream.wait_event(handle.event)
-            handle.ready = handle.host.to(handle.device, non_blocking=True)
-            handle.event = self.stream.record_event()
+        handle = None
+        if self._should_offload(tensor):
+            handle = self.engine.stash(tensor, pinned=self.pin_memory, check_version=True)
+        self.stats.count(tensor, offloaded=handle is not None)
+        return tensor if handle is None else handle
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Offloaded):
-            return packed
-        self._copy_back(packed)
-        for order in range(packed.order - 1, max(packed.order - 1 - self.prefetch_depth, 0), -1):
-            ref = self._in_flight.get(order)
-            upcoming = ref() if ref is not None else None
-            if upcoming is not None:
-                self._copy_back(upcoming)
-        if self.stream is not None:
-            current = self._device_module.current_stream()
-            current.wait_event(packed.event)
-            packed.ready.record_stream(current)
-        return packed.ready
-
-    def _release(self, handle: _Offloaded) -> None:
-        self._in_flight.pop(handle.order, None)
-        if self.stream is not None and handle.event is not None:
-            handle.event.synchronize()  # the host buffer may still be read by a copy
-        self.pool.give_back(handle.host)
-        handle.host = None
+        if type(packed) is Stashed:
+            return self.engine.fetch(packed, self.prefetch_depth)
+        return packed
