@@ -13,36 +13,47 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .decisions import _RANDOM_WRITE, _traits, _written_argument
+from .hostcopy import engine_for
+
+_PREFETCH_DEPTH = 2  # kept tensors of the region backward reaches next, copied back while this one recomputes
 
 
 class _Kept:
     """A kept tensor: an alias of the op's output (or a copy of it), its device and version then.
 
-    ``copy=True`` keeps a private copy (on the host when offloading), for a value whose storage the
-    region overwrites later; nothing else can reach the copy, so it never counts as modified.
+    ``copy=True`` keeps a private copy, for a value whose storage the region overwrites later; nothing else
+    can reach the copy, so it never counts as modified.  Offloaded (where the device's copy engine moves
+    tensors), the value goes to host memory on the engine's side stream: the alias stays until the region's
+    forward ends, to tell whether the region changed it in place while it was being copied (then it is
+    recomputed, like any kept output the region modifies), and :func:`_settle` makes the device wait for the
+    copies before anything after the region can write to them.
     """
 
-    __slots__ = ("value", "device", "version", "offloaded")
+    __slots__ = ("value", "device", "version", "offloaded", "stashed", "nbytes")
 
     def __init__(self, output: torch.Tensor, offload: bool, copy: bool = False) -> None:
         value = _alias(output)
-        if copy and not (offload and value.device.type != "cpu"):
+        if copy:
             value = value.clone()
-        elif offload and value.device.type != "cpu":
-            pin = torch.cuda.is_available() and value.device.type == "cuda"
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
-            value = host.copy_(value, non_blocking=pin)
+        engine = engine_for(value.device.type) if offload else None
+        self.stashed = engine.stash(value) if engine is not None and engine.moves else None
+        if self.stashed is not None and copy:
+            value = None  # the private copy is on its way to the host; nothing can change it
         self.value = value
         self.device = output.device
-        self.version = value._version
+        self.version = value._version if value is not None else 0
         self.offloaded = offload
+        self.nbytes = output.numel() * output.element_size()
 
     def modified(self) -> bool:
-        return self.value._version != self.version
+        return self.value is not None and self.value._version != self.version
 
     def serve(self, take: bool) -> torch.Tensor:
-        if self.value.device != self.device:
-            return self.value.to(self.device, non_blocking=True)
+        if self.stashed is not None:
+            value = self.stashed.engine.fetch(self.stashed, _PREFETCH_DEPTH)
+            if take:
+                self.stashed = None  # its host block goes back to the pool
+            return value
         # A taken value is no longer held here, so it can be handed out as is.
         return self.value if take else _alias(self.value)
 
@@ -68,6 +79,29 @@ class _KeptOutputs:
 
     def serve(self, take: bool) -> Any:
         return tree_map(lambda k: k.serve(take) if isinstance(k, _Kept) else k, self.structure)
+
+
+def _settle(stashed: list[_Kept]) -> None:
+    """A region's forward has ended: the device waits for its copies out before anything after the region
+    runs (which could write to what is being copied), and the device values are let go."""
+    for engine in dict.fromkeys(k.stashed.engine for k in stashed):
+        engine.fence(k.stashed for k in stashed if k.stashed.engine is engine)
+    for kept in stashed:
+        kept.value = None
+
+
+def _prefetch(stashed: list[_Kept]) -> None:
+    """A recomputation starts: copy back what it will be served, in the order forward kept it."""
+    handles = sorted((k.stashed for k in stashed), key=lambda handle: handle.order)
+    for engine in dict.fromkeys(handle.engine for handle in handles):
+        engine.prefetch(handle for handle in handles if handle.engine is engine)
+
+
+def _unprefetch(stashed: list[_Kept]) -> None:
+    """A recomputation ended (maybe early): device copies it was not served are let go."""
+    for kept in stashed:
+        if kept.stashed is not None:
+            kept.stashed.on_device = None
 
 
 def _keep(outputs: Any, offload: bool) -> _Kept | _KeptOutputs:
@@ -126,7 +160,7 @@ class _Draw:
             return self.kept.serve(take)
         # Below autograd and ADInplaceOrView, like the op itself: the copy neither records nor bumps versions.
         target = _argument(args, kwargs, self.target)
-        return target.copy_(self.kept.value, non_blocking=self.kept.value.device != target.device)
+        return target.copy_(self.kept.serve(take))
 
 
 def _keep_draw(op: Any, args: tuple, kwargs: dict, out: Any, offload: bool) -> _Draw | _Kept | _KeptOutputs | None:

@@ -74,7 +74,7 @@ from .decisions import (
     _action,
     _traits,
 )
-from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs
+from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs, _prefetch, _settle, _unprefetch
 from .offload import OffloadStats
 
 __all__ = ["create_selective_checkpoint_contexts"]
@@ -104,6 +104,7 @@ class _Store:
         self.allow_mutation = allow_mutation
         self.stats = stats
         self.slots: dict[int, _OpSlot] = {}  # by id(op)
+        self.offloads = False  # whether anything was kept for offloading
         # Generators whose state kept draws hold: a replay that serves them restores these when it ends.
         self.generators: dict[int, torch.Generator] = {}
         # A Policy is asked through its rules (no context object, op rule once per operator);
@@ -137,18 +138,27 @@ class _Store:
         return _action(self.policy(context, slot.op, *args, **kwargs))
 
     def forward_done(self) -> None:
-        """Drop kept outputs the region modified in place (they are recomputed), then count the rest."""
+        """Drop kept outputs the region modified in place (they are recomputed), settle the offloaded ones'
+        copies, then count the rest."""
         for slot in self.slots.values():
             if slot.kept:
                 for index in [i for i, kept in slot.kept.items() if kept.modified()]:
                     del slot.kept[index]
+        if self.offloads:
+            _settle(self.stashed())
         if self.stats is not None:
             for slot in self.slots.values():
                 for kept in slot.kept.values():
                     for tensor in kept.tensors():
-                        self.stats.count(tensor.value, offloaded=tensor.offloaded)
+                        self.stats.add(tensor.nbytes, offloaded=tensor.offloaded)
+
+    def stashed(self) -> list[_Kept]:
+        """The kept tensors that live in host memory."""
+        return [tensor for slot in self.slots.values() for kept in slot.kept.values()
+                for tensor in kept.tensors() if tensor.stashed is not None]
 
     def keep(self, slot: _OpSlot, index: int, args: tuple, kwargs: dict, out: Any, offload: bool) -> None:
+        self.offloads |= offload
         if not slot.random:
             slot.kept[index] = _keep(out, offload)
             return
@@ -241,12 +251,16 @@ class _Replayer(TorchDispatchMode):
         self.release = _current_graph_task_id() != -1 and not _keeps_graph()
         # Serving a draw sets its generator's state; the caller's RNG must not notice.
         self.rng_before = [(g, g.get_state()) for g in self.store.generators.values()]
+        if self.store.offloads:
+            _prefetch(self.store.stashed())
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         for generator, state in self.rng_before:
             generator.set_state(state)
         self.rng_before = []
+        if self.store.offloads:
+            _unprefetch(self.store.stashed())
         if self.release:
             # Outputs not served (recomputation stopped early) can never be needed: a later
             # recomputation stops at the same place or sooner.
