@@ -1,0 +1,254 @@
+"""The offload engine on a fake accelerator: real copies on the CPU, simulated streams, events and bandwidths.
+
+Every entry point (``offload``, ``offload_wrapper``, ``save_on_cpu``, a policy's CPU_OFFLOAD) goes through the
+engine of its tensors' device type; installing a fake device model for ``"cpu"`` makes CPU tensors travel as an
+accelerator's would.
+"""
+
+import copy
+import functools
+
+import pytest
+import torch
+from fake_device import FakeDevice, TorchStyleModule
+from helpers import MLPStack, assert_bitwise, grads
+from offload_cases import Layouts, check_layouts, entry_points, offload_everything, offload_matmuls, record_layouts
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat.models import GPT, Block, GPTConfig, synthetic_batch
+from remat.policies.hostcopy import HostDevice, TorchDevice, use_device_model
+from remat.policies.hostpool import size_class
+
+
+@pytest.fixture
+def fake():
+    device = FakeDevice()
+    with use_device_model("cpu", device) as engine:
+        device.engine = engine
+        yield device
+
+
+ENTRY_POINTS = entry_points("cpu")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_gives_bitwise_gradients_and_keeps_layouts(fake, entry):
+    torch.manual_seed(0)
+    model = Layouts()
+    x = torch.randn(8, 16, requires_grad=True)
+    params = [x, *model.parameters()]
+    expected = grads(lambda: model(x), params)
+    pairs = record_layouts(fake.engine)
+    got = grads(lambda: ENTRY_POINTS[entry](model, x), params)
+    assert torch.equal(expected[0], got[0])
+    assert_bitwise(expected[1], got[1])
+    assert fake.calls("copy") and not fake.calls("host waits")
+    # The policy keeps op outputs, of which only sin's comes out transposed; the hooks see every layout.
+    check_layouts(pairs, every_kind=entry != "policy")
+
+
+def test_cpu_offload_policy_runs_the_demo_gpt_with_real_copies(fake):
+    # Attention's output comes back as attention laid it out (batch, seq, heads, dim); a contiguous copy
+    # made the recomputation's reshape copy it, an op forward never ran, and the replay refused it.
+    # Without dropout the CPU runs the fused attention kernel, whose output has that layout, as CUDA's has.
+    cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, vocab_size=64, dropout=0.0)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    wrapped = copy.deepcopy(plain)
+    remat.apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block), policy=offload_matmuls)
+    tokens, targets = synthetic_batch(cfg, 2)
+    expected = grads(lambda: plain.loss(tokens, targets), list(plain.parameters()), seed=3)
+    got = grads(lambda: wrapped.loss(tokens, targets), list(wrapped.parameters()), seed=3)
+    assert torch.equal(expected[0], got[0])
+    assert_bitwise(expected[1], got[1])
+    d2h = [c for c in fake.copies if c.to_host]
+    assert d2h and len(d2h) == len([c for c in fake.copies if not c.to_host])
+
+
+def test_kept_draws_and_outputs_changed_in_place_offload_correctly(fake):
+    cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16, vocab_size=64, dropout=0.2)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    wrapped = copy.deepcopy(plain)
+    remat.apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, Block),
+                                         policy=offload_everything)
+    tokens, targets = synthetic_batch(cfg, 2)
+    expected = grads(lambda: plain.loss(tokens, targets), list(plain.parameters()), seed=4)
+    got = grads(lambda: wrapped.loss(tokens, targets), list(wrapped.parameters()), seed=4)
+    assert_bitwise(expected[1], got[1])
+
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def changes_its_matmul(t):
+        h = t @ w
+        h.mul_(2)  # the kept output changes while it is copied: it is recomputed instead of served
+        return h.sin()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    stats = remat.OffloadStats()
+    ctx = functools.partial(remat.create_selective_checkpoint_contexts, offload_matmuls, stats=stats)
+    got = torch.autograd.grad(remat.checkpoint(changes_its_matmul, x, context_fn=ctx).sum(), [x, w])
+    assert_bitwise(torch.autograd.grad(changes_its_matmul(x).sum(), [x, w]), got)
+    assert stats.offloaded_tensors == 0
+
+
+def test_a_region_waits_for_its_copies_out_before_what_follows(fake):
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64, requires_grad=True)
+    out = remat.checkpoint(lambda t: (t @ w).relu() @ w, x, policy=offload_matmuls)
+    d2h_events = [entry[3] for entry in fake.calls("copy") if entry[1] == "d2h"]
+    assert len(d2h_events) == 2
+    # On the device only: the compute stream waits for the last copy out when the region ends.
+    assert fake.calls("wait_event") == [("wait_event", "compute", d2h_events[-1])]
+    out.sum().backward()
+    assert not fake.calls("host waits")
+
+
+class OpNames(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        self.ops.append(op)
+        return op(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_dispatch_modes_never_see_the_engines_copies(entry):
+    torch.manual_seed(0)
+    model = Layouts()
+    x = torch.randn(8, 16, requires_grad=True)
+    seen = []
+    for device in (HostDevice(), FakeDevice()):  # the first moves nothing (save_on_cpu, policy) or copies on the spot
+        with use_device_model("cpu", device), OpNames() as names:
+            torch.autograd.grad(ENTRY_POINTS[entry](model, x), [x, *model.parameters()])
+        seen.append(names.ops)
+    assert seen[0] == seen[1]
+    assert all(op is not torch.ops.aten.copy_.default for op in seen[1])
+
+
+def test_copies_out_follow_their_producers_and_overlap_compute(fake):
+    engine, n, layer = fake.engine, 6, 1 / 8
+    fake.d2h_bytes_per_s = fake.h2d_bytes_per_s = 2.0 ** 20  # one 64 KiB activation: 1/16 s each way
+    activations, handles = [torch.randn(16384) for _ in range(n)], []
+    for activation in activations:
+        fake.run(layer)  # the layer computing the activation
+        handles.append(engine.stash(activation))
+    assert fake.compute.ready == n * layer  # forward never waited for a copy
+    d2h = [c for c in fake.copies if c.to_host]
+    assert [c.start for c in d2h] == [(i + 1) * layer for i in range(n)]  # each after its producer
+    assert all(c.end == c.start + 1 / 16 for c in d2h)
+    # The side stream waits for the producer, copies, and the source's memory is marked as used by it.
+    assert [e[:3] for e in fake.log[:3]] == [("wait_stream", "side", "compute"), ("copy", "d2h", "side"),
+                                            ("record_stream", "side", activations[0].data_ptr())]
+    assert not fake.calls("host waits") and not fake.calls("wait_event")
+
+
+@pytest.mark.parametrize("depth, stall", [(0, 6 / 16), (1, 1 / 16), (2, 1 / 16)])
+def test_prefetch_hides_copies_back_behind_backward_compute(fake, depth, stall):
+    engine, n, layer = fake.engine, 6, 1 / 8
+    fake.d2h_bytes_per_s = fake.h2d_bytes_per_s = 2.0 ** 20  # 1/16 s per copy, less than a layer's 1/8 s
+    handles = [engine.stash(torch.randn(16384)) for _ in range(n)]
+    fake.advance()
+    start = fake.now
+    for handle in reversed(handles):  # backward: last saved, first needed
+        tensor = engine.fetch(handle, prefetch=depth)
+        event = handle.event
+        assert fake.log[-1] == ("wait_event", "compute", event)  # the compute stream waits for the copy back
+        assert fake.compute.ready >= event.time and tensor.numel() == 16384
+        fake.run(layer)
+    assert fake.compute.ready - start - n * layer == stall
+    assert not fake.calls("host waits")
+
+
+def test_prefetch_runs_in_backward_order(fake):
+    x = torch.randn(32, 16, requires_grad=True)
+    with remat.offload(min_bytes=0, device_type="cpu", prefetch_depth=2) as off:
+        y = x
+        for _ in range(6):
+            y = torch.sin(y)  # each saves its input: backward needs them newest first
+    blocks_out = [c.dst_ptr for c in fake.copies if c.to_host]
+    y.sum().backward()
+    blocks_back = [c.source_ptr for c in fake.copies if not c.to_host]
+    assert off.stats.offloaded_tensors == len(blocks_out) == len(blocks_back) == 6
+    assert blocks_back == blocks_out[::-1]
+    first_wait = next(i for i, e in enumerate(fake.log) if e[:2] == ("wait_event", "compute"))
+    assert sum(e[:2] == ("copy", "h2d") for e in fake.log[:first_wait]) == 3  # the first one and two ahead
+
+
+def test_pool_is_reused_across_steps_and_nothing_leaks(fake):
+    model = MLPStack(depth=2, width=16, hidden=64, p=0.0)
+    off = remat.offload(min_bytes=0, device_type="cpu")
+    allocations = []
+    for _ in range(3):
+        with off:
+            loss = model(torch.randn(32, 16)).sum()
+        loss.backward()
+        del loss
+        fake.advance()  # the step's copies complete on the device
+        allocations.append(off.pool.allocations)
+    assert allocations[0] > 0 and allocations == [allocations[0]] * 3
+    fake.engine.collect()
+    pool = off.pool
+    assert pool.in_use_bytes == 0 and pool.waiting_bytes == 0 and pool.free_bytes == pool.allocated_bytes
+    assert fake.engine.live == 0
+
+
+def test_close_sizes_share_a_block_which_waits_for_its_copies(fake):
+    engine = fake.engine
+    pool = engine.pool()
+    assert size_class(5000) == size_class(5100)
+    handle = engine.stash(torch.randn(1250))  # 5000 bytes
+    del handle  # freed before its copy out has completed on the device
+    kept = engine.stash(torch.randn(1275))  # 5100 bytes: same class, but the block may still be read
+    assert pool.allocations == 2
+    fake.advance()
+    engine.collect()
+    assert pool.free_bytes == size_class(5000)
+    again = engine.stash(torch.randn(1275))
+    assert pool.allocations == 2 and again is not None and kept is not None
+
+
+def test_changing_a_saved_tensor_after_it_was_offloaded_is_refused(fake):
+    x = torch.randn(8, requires_grad=True)
+    with remat.offload(min_bytes=0, device_type="cpu"):
+        y = x * 2
+        z = y.sin()  # saves y
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place after it was offloaded"):
+        z.sum().backward()
+
+
+def test_torch_device_drives_a_torch_style_module(monkeypatch):
+    # TorchDevice is what runs on CUDA; here it drives a module shaped like torch.cuda that logs each call.
+    module = TorchStyleModule()
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: module.log.append(("record_stream",
+                                                                                             stream.name)))
+    torch.manual_seed(0)
+    model = MLPStack(depth=2, width=16, hidden=64, p=0.0)
+    x = torch.randn(32, 16, requires_grad=True)
+    params = [x, *model.parameters()]
+    expected = grads(lambda: model(x).sum(), params)
+    with use_device_model("cpu", TorchDevice(module)) as engine:
+        # pin_memory=False: pinning needs a real accelerator
+        with remat.offload(min_bytes=0, device_type="cpu", pin_memory=False) as off:
+            loss = model(x).sum()
+        got = torch.autograd.grad(loss, params)
+        del loss
+        engine.collect()
+    assert_bitwise(expected[1], got)
+    log, n = module.log, off.stats.offloaded_tensors
+    assert module.created == 1 and not [e for e in log if e[0] == "host waits"]
+    # Each copy, out or back: the side stream waits for the compute stream, the copy runs with the side
+    # stream current and records its event there, and the memory it touches is marked as used by the side stream.
+    copies = [i for i, e in enumerate(log) if e == ("enter", "side1")]
+    assert len(copies) == 2 * n
+    for i in copies:
+        assert log[i - 1] == ("wait_stream", "side1", "default")
+        assert log[i + 1: i + 4] == [("record_event", "side1", "side1"), ("exit", "side1"),
+                                     ("record_stream", "side1")]
+    # Each tensor is used only after the compute stream waited for its copy back.
+    assert len([e for e in log if e == ("wait_event", "default", "side1")]) == n
+    assert off.pool.in_use_bytes == 0 and off.pool.free_bytes == off.pool.allocated_bytes
