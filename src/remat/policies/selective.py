@@ -38,6 +38,12 @@ plain autograd computes); that is detected from its version counter when the
 region's forward ends.  A kept output modified *after* forward is an error in
 recomputation, or with ``allow_cache_entry_mutation=True`` is recomputed
 instead of served, so gradients are never computed from a modified value.
+An offloaded output is a copy in host memory, so later changes cannot reach it.
+
+Offloaded outputs go through the device's copy engine (:mod:`.hostcopy`), on a
+side stream: the region's end makes the device (never the host) wait for its
+copies out, and a recomputation starts copying back what it will be served,
+which comes back with the strides and alignment forward gave it.
 
 Differences from PyTorch 2.13 worth knowing: CPU_OFFLOAD really offloads in
 eager mode; ``retain_graph=True`` and partial backward calls work; a kept
