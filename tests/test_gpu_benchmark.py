@@ -1,0 +1,84 @@
+"""benchmarks/gpu.py runs end to end on the CPU path (a tiny Llama, three modes): rows, peaks, predictions.
+
+No timing is asserted; the benchmark's numbers are taken by hand on a GPU.
+"""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+SMALLEST = ["--device", "cpu", "--tiny", "--hidden", "16", "--heads", "2", "--layers", "3", "--intermediate", "32",
+            "--vocab", "32", "--batch", "2", "--seq", "64", "--rounds", "1", "--warmup", "0",
+            "--profile-repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def gpu_benchmark():
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_cpu_run_prints_every_row_and_the_plan_predictions(gpu_benchmark, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert gpu_benchmark.main([*SMALLEST, "--modes", "remat-ckpt", "plan-50", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    for label in ("| plain |", "| remat checkpoint, every layer |", "| remat plan 50% ("):
+        assert label in table
+    assert "predicted vs measured" in table
+    rows = {row["key"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain", "remat-ckpt", "plan-50"]
+    assert all(row["failure"] is None and row["median_ms"] > 0 for row in rows.values())
+    assert rows["remat-ckpt"]["peak"] < rows["plain"]["peak"]  # the layers really were checkpointed
+    assert rows["plan-50"]["predicted_peak"] > 0 and rows["plan-50"]["peak"] > 0
+    assert rows["plan-50"]["predicted_extra"] is not None
+
+
+def test_without_cuda_it_skips_and_exits_0(gpu_benchmark, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_benchmark.main([]) == 0
+    assert "skipped, no CUDA device" in capsys.readouterr().out
+
+
+def test_an_unknown_mode_is_named(gpu_benchmark):
+    with pytest.raises(SystemExit, match="no mode matches plan-40"):
+        gpu_benchmark.main(["--device", "cpu", "--modes", "plan-40"])
+
+
+def test_the_cuda_path_times_with_events_and_reads_the_peak_above_the_start(gpu_benchmark, monkeypatch):
+    """Fakes stand in for CUDA: the step's time is the events' elapsed time, its peak the allocator's after a
+    reset, less what was allocated when it began."""
+    allocator = {"allocated": 1000, "peak": 99_999}  # a higher peak from before the step must not count
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return 12.5  # milliseconds, as CUDA events report
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocator["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: allocator.update(peak=allocator["allocated"]))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocator["peak"])
+
+    def step():
+        allocator["peak"] = max(allocator["peak"], 1000 + 4096)
+
+    assert gpu_benchmark._measured(torch.device("cuda"), step) == (0.0125, 4096)
