@@ -2,7 +2,7 @@
 
 Run by hand:  PYTHONPATH=src:tests python benchmarks/zoo.py [model ...]
 
-For every zoo model (tests/zoo.py: tiny random-weight models from transformers, timm and torchvision) it
+For every zoo model (tests/zoo.py: tiny random-weight language and vision models from transformers) it
 profiles one step, plans budgets of 30/50/70% of the unplanned peak above parameters and the smallest
 peak the planner names, and measures each plan with MemTracker.  Peaks are above parameters and buffers.
 """

@@ -1,8 +1,5 @@
 import pytest
 import torch
-from zoo import skip_torchvision_fake_kernels
-
-skip_torchvision_fake_kernels()
 
 
 def hooks_on_stack():

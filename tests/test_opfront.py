@@ -341,11 +341,6 @@ def test_an_error_in_the_forward_leaves_no_hook_behind():
 
 
 def _hugging_face(kind):
-    import sys
-    import types
-
-    # torchvision's compiled ops cannot load beside the CPU torch build; transformers may import it.
-    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "llama":

@@ -1,4 +1,4 @@
-"""Op-level policies on real models from transformers, timm and torchvision (tiny configs, random weights).
+"""Op-level policies on real models from transformers (tiny configs, random weights).
 
 A few models run by default; the whole zoo runs with ``REMAT_ZOO=all python -m pytest tests/test_opzoo.py``.
 For every model :func:`remat.profile_ops` records the blocks discovery finds, blocks share a graph only

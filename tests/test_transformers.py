@@ -8,12 +8,9 @@ from helpers import assert_bitwise
 
 import remat
 
-pytest.importorskip("transformers")
-from zoo import import_transformers  # noqa: E402
+transformers = pytest.importorskip("transformers")
 
 from remat.integrations.transformers import enable  # noqa: E402
-
-transformers = import_transformers()  # transformers imports torchvision, which needs the CPU shim
 
 
 def _llama():

@@ -1,20 +1,18 @@
 """Real model code for the tests: tiny configs, random weights, no downloads.
 
-torchvision's PyPI wheel is built against the CUDA torch, so its compiled operators (nms, roi_align, ...)
-cannot load beside the CPU build of torch 2.13 used here, and its import then fails while registering fake
-kernels for them. The model definitions are pure Python and need none of those operators, so the tests skip
-that one registration module (conftest.py does it before any test imports transformers, timm or torchvision,
-all of which import torchvision when it is installed).
+Every model comes from transformers, imported as installed: its language models and its ports of the
+vision models (ResNet, MobileNetV2, ViT, ConvNeXt, Swin, EfficientNet).  The test environment has no
+torchvision (its PyPI wheel is built against the CUDA torch and cannot import beside the CPU build used
+here) and so no timm, which cannot be imported without torchvision.
 
 Each builder returns a :class:`ZooCase`: a model in training mode, its example inputs as a user would pass
-them (keyword arguments for Hugging Face models, whose output carries ``.loss``), a loss function where the
-output has no ``.loss``, and the class of the natural repeated block that discovery should find.
+them (keyword arguments for the language models, whose output carries ``.loss``; positional images for the
+vision models), a loss function where the output has no ``.loss``, and the class of the natural repeated
+block that discovery should find.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,28 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def skip_torchvision_fake_kernels() -> None:
-    name = "torchvision._meta_registrations"
-    sys.modules.setdefault(name, types.ModuleType(name))
-
-
-def import_vision():
-    """(torchvision, timm), importable beside a CPU-only torch build."""
-    skip_torchvision_fake_kernels()
-    import timm
-    import torchvision
-
-    return torchvision, timm
-
-
-def import_transformers():
-    """transformers, importable beside a CPU-only torch build (its image utilities import torchvision)."""
-    skip_torchvision_fake_kernels()
-    import transformers
-
-    return transformers
 
 
 @dataclass
@@ -73,7 +49,8 @@ def _causal_lm(name: str, model: nn.Module, block: str, layers: int) -> ZooCase:
 
 
 def llama() -> ZooCase:
-    transformers = import_transformers()
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -82,7 +59,8 @@ def llama() -> ZooCase:
 
 
 def qwen2() -> ZooCase:
-    transformers = import_transformers()
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -91,7 +69,8 @@ def qwen2() -> ZooCase:
 
 
 def gpt2() -> ZooCase:
-    transformers = import_transformers()
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=128,
                                   bos_token_id=0, eos_token_id=0, attn_implementation="eager", use_cache=False)
@@ -99,7 +78,8 @@ def gpt2() -> ZooCase:
 
 
 def bert() -> ZooCase:
-    transformers = import_transformers()
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                   num_attention_heads=4, max_position_embeddings=128, attn_implementation="eager")
@@ -111,7 +91,8 @@ def bert() -> ZooCase:
 
 
 def t5() -> ZooCase:
-    transformers = import_transformers()
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3,
                                 num_heads=4, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
@@ -120,7 +101,8 @@ def t5() -> ZooCase:
 
 
 def whisper() -> ZooCase:
-    transformers = import_transformers()
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.WhisperConfig(vocab_size=128, d_model=64, encoder_layers=3, decoder_layers=3,
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
@@ -137,56 +119,77 @@ def whisper() -> ZooCase:
                    block="Whisper*Layer", blocks=6)
 
 
-def _classify(name: str, model: nn.Module, batch: int, size: int, block: str, blocks: int) -> ZooCase:
-    images = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(4))
-    labels = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(5))
-    return ZooCase(name, model.train(), args=(images,), loss_fn=lambda logits: F.cross_entropy(logits, labels),
+def _classify(name: str, model: nn.Module, size: int, block: str, blocks: int) -> ZooCase:
+    """An image classifier called as ``model(images)``, its loss computed from the output's logits."""
+    images = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(5))
+    return ZooCase(name, model.train(), args=(images,), loss_fn=lambda out: F.cross_entropy(out.logits, labels),
                    block=block, blocks=blocks)
 
 
+def _activations_in_place(model: nn.Module) -> nn.Module:
+    """Run the ReLU, ReLU6 and SiLU activations in place, as torchvision and timm do (transformers doesn't)."""
+    for module in model.modules():
+        if isinstance(module, (nn.ReLU, nn.ReLU6, nn.SiLU)):
+            module.inplace = True
+    return model
+
+
 def vit() -> ZooCase:
-    _, timm = import_vision()
+    import transformers
+
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, patch_size=8, num_classes=10,
-                              depth=4)
-    return _classify("vit", model, 8, 64, "Block", 4)
+    cfg = transformers.ViTConfig(image_size=64, patch_size=8, hidden_size=192, num_hidden_layers=4,
+                                 num_attention_heads=3, intermediate_size=768, num_labels=10)
+    return _classify("vit", transformers.ViTForImageClassification(cfg), 64, "ViTLayer", 4)
 
 
 def convnext() -> ZooCase:
-    _, timm = import_vision()
+    import transformers
+
     torch.manual_seed(0)
-    model = timm.create_model("convnext_atto", pretrained=False, num_classes=10)
-    return _classify("convnext_atto", model, 8, 128, "ConvNeXtBlock", 12)
+    # ConvNeXt-atto: 2, 2, 6, 2 blocks of 40, 80, 160, 320 channels
+    cfg = transformers.ConvNextConfig(depths=[2, 2, 6, 2], hidden_sizes=[40, 80, 160, 320], num_labels=10)
+    return _classify("convnext_atto", transformers.ConvNextForImageClassification(cfg), 128, "ConvNextLayer", 12)
 
 
 def swin() -> ZooCase:
-    _, timm = import_vision()
-    from timm.models.swin_transformer import SwinTransformer
+    import transformers
 
     torch.manual_seed(0)
-    model = SwinTransformer(img_size=64, patch_size=4, window_size=4, embed_dim=32, depths=(2, 2, 2),
-                            num_heads=(2, 4, 8), num_classes=10)
-    return _classify("swin", model, 8, 64, "SwinTransformerBlock", 6)
+    cfg = transformers.SwinConfig(image_size=64, patch_size=4, window_size=4, embed_dim=32, depths=[2, 2, 2],
+                                  num_heads=[2, 4, 8], num_labels=10)
+    return _classify("swin", transformers.SwinForImageClassification(cfg), 64, "SwinLayer", 6)
 
 
 def efficientnet() -> ZooCase:
-    _, timm = import_vision()
+    import transformers
+
     torch.manual_seed(0)
-    model = timm.create_model("efficientnet_b0", pretrained=False, num_classes=10)
-    return _classify("efficientnet_b0", model, 8, 96, "*Residual|DepthwiseSeparableConv", 16)
+    # B0: EfficientNetConfig's defaults are B7's
+    cfg = transformers.EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280,
+                                          dropout_rate=0.2, image_size=224, num_labels=10)
+    model = _activations_in_place(transformers.EfficientNetForImageClassification(cfg))
+    return _classify("efficientnet_b0", model, 96, "EfficientNetBlock", 16)
 
 
 def resnet18() -> ZooCase:
-    torchvision, _ = import_vision()
+    import transformers
+
     torch.manual_seed(0)
-    return _classify("resnet18", torchvision.models.resnet18(num_classes=10), 8, 112, "BasicBlock", 8)
+    cfg = transformers.ResNetConfig(layer_type="basic", depths=[2, 2, 2, 2], hidden_sizes=[64, 128, 256, 512],
+                                    embedding_size=64, num_labels=10)
+    model = _activations_in_place(transformers.ResNetForImageClassification(cfg))
+    return _classify("resnet18", model, 112, "ResNetBasicLayer", 8)
 
 
 def mobilenet() -> ZooCase:
-    torchvision, _ = import_vision()
+    import transformers
+
     torch.manual_seed(0)
-    return _classify("mobilenet_v3_small", torchvision.models.mobilenet_v3_small(num_classes=10), 8, 96,
-                     "InvertedResidual", 11)
+    cfg = transformers.MobileNetV2Config(depth_multiplier=0.5, num_labels=10)
+    model = _activations_in_place(transformers.MobileNetV2ForImageClassification(cfg))
+    return _classify("mobilenet_v2", model, 96, "MobileNetV2InvertedResidual", 16)
 
 
 def peak_above_params(case: ZooCase) -> int:
@@ -203,18 +206,33 @@ def peak_above_params(case: ZooCase) -> int:
 BUILDERS: dict[str, Callable[[], ZooCase]] = {
     "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "whisper": whisper,
     "vit": vit, "convnext_atto": convnext, "swin": swin, "efficientnet_b0": efficientnet,
-    "resnet18": resnet18, "mobilenet_v3_small": mobilenet,
+    "resnet18": resnet18, "mobilenet_v2": mobilenet,
 }
 
-FAST = ("llama", "t5", "mobilenet_v3_small")  # what CI runs; REMAT_ZOO=all runs every model
+FAST = ("llama", "t5", "mobilenet_v2")  # what CI runs; REMAT_ZOO=all runs every model
+
+# Models whose natural block discovery does not find (it finds the units named); the other tests run on what
+# it finds.
+DISCOVERY_GAPS = {
+    "resnet18": "finds the 16 ResNetConvLayers inside the 8 ResNetBasicLayers (each chains two in a Sequential)",
+    "convnext_atto": "finds the 4 ConvNextStages: a stage holds its ConvNextLayers in a ModuleList, not a chain",
+    "swin": "finds the 3 SwinStages: a stage holds its SwinLayers in a ModuleList, not a chain",
+}
 
 
-def model_params() -> list:
-    """One pytest parameter per zoo model, the ones outside FAST skipped unless REMAT_ZOO=all."""
+def model_params(gaps: dict[str, str] | None = None) -> list:
+    """One pytest parameter per zoo model, the ones outside FAST skipped unless REMAT_ZOO=all, and those in
+    ``gaps`` expected to fail (strictly: a fixed gap fails the test until its entry goes)."""
     import os
 
     import pytest
 
     every = os.environ.get("REMAT_ZOO") == "all"
     skip = pytest.mark.skip(reason="whole zoo: REMAT_ZOO=all")
-    return [pytest.param(name, marks=() if every or name in FAST else skip) for name in BUILDERS]
+    params = []
+    for name in BUILDERS:
+        marks = [] if every or name in FAST else [skip]
+        if gaps and name in gaps:
+            marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=f"discovery {gaps[name]}"))
+        params.append(pytest.param(name, marks=marks))
+    return params
