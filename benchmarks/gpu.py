@@ -44,7 +44,6 @@ import statistics
 import sys
 import time
 import traceback
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -120,17 +119,6 @@ def _remat_policy(rule: Callable[[Any], Any], name: str) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------- the workload
 
 
-def _import_transformers() -> types.ModuleType:
-    if torch.version.cuda is None:
-        # PyPI's torchvision is built against CUDA torch; beside a CPU build its fake-kernel registrations fail
-        # on import (transformers imports it). The model code needs none of those kernels.
-        name = "torchvision._meta_registrations"
-        sys.modules.setdefault(name, types.ModuleType(name))
-    import transformers
-
-    return transformers
-
-
 @dataclass
 class Workload:
     """The model, its inputs and the device; ``step(model)`` is one training step."""
@@ -157,7 +145,7 @@ class Workload:
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Workload:
-    transformers = _import_transformers()
+    import transformers
     config = transformers.LlamaConfig(
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
@@ -523,7 +511,7 @@ def format_plans(entries: list[dict[str, Any]]) -> str:
 
 
 def header(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    transformers = _import_transformers()
+    import transformers
     device = work.device
     info = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
