@@ -1,10 +1,10 @@
 """The planner on real models from transformers (tiny configs, random weights).
 
 A few models run by default; the whole zoo runs with ``REMAT_ZOO=all python -m pytest tests/test_zoo.py``.
-For every model: discovery finds its natural repeated block (but for the gaps in ``zoo.DISCOVERY_GAPS``,
-expected to fail), checkpointing every block it finds gives gradients bitwise equal to the plain model, the
-profile's predictions match MemTracker within 3%, plans fit their budget (measured within 5%), and a budget
-is refused only when checkpointing every block does not meet it.
+For every model: discovery finds its natural repeated block, checkpointing every block it finds gives
+gradients bitwise equal to the plain model, the profile's predictions match MemTracker within 3%, plans fit
+their budget (measured within 5%), and a budget is refused only when checkpointing every block does not meet
+it.
 """
 
 import copy
@@ -51,7 +51,7 @@ def _all_checkpointed(prof):
     return plan
 
 
-@pytest.mark.parametrize("name", zoo.model_params(zoo.DISCOVERY_GAPS))
+@pytest.mark.parametrize("name", MODELS)
 def test_discovery_finds_the_natural_block(name):
     case = zoo.BUILDERS[name]()
     blocks = candidate_modules(case.model)

@@ -211,18 +211,8 @@ BUILDERS: dict[str, Callable[[], ZooCase]] = {
 
 FAST = ("llama", "t5", "mobilenet_v2")  # what CI runs; REMAT_ZOO=all runs every model
 
-# Models whose natural block discovery does not find (it finds the units named); the other tests run on what
-# it finds.
-DISCOVERY_GAPS = {
-    "resnet18": "finds the 16 ResNetConvLayers inside the 8 ResNetBasicLayers (each chains two in a Sequential)",
-    "convnext_atto": "finds the 4 ConvNextStages: a stage holds its ConvNextLayers in a ModuleList, not a chain",
-    "swin": "finds the 3 SwinStages: a stage holds its SwinLayers in a ModuleList, not a chain",
-}
-
-
-def model_params(gaps: dict[str, str] | None = None) -> list:
-    """One pytest parameter per zoo model, the ones outside FAST skipped unless REMAT_ZOO=all, and those in
-    ``gaps`` expected to fail (strictly: a fixed gap fails the test until its entry goes)."""
+def model_params() -> list:
+    """One pytest parameter per zoo model, the ones outside FAST skipped unless REMAT_ZOO=all."""
     import os
 
     import pytest
@@ -231,8 +221,5 @@ def model_params(gaps: dict[str, str] | None = None) -> list:
     skip = pytest.mark.skip(reason="whole zoo: REMAT_ZOO=all")
     params = []
     for name in BUILDERS:
-        marks = [] if every or name in FAST else [skip]
-        if gaps and name in gaps:
-            marks.append(pytest.mark.xfail(raises=AssertionError, strict=True, reason=f"discovery {gaps[name]}"))
-        params.append(pytest.param(name, marks=marks))
+        params.append(pytest.param(name, marks=[] if every or name in FAST else [skip]))
     return params

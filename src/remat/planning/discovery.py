@@ -1,18 +1,21 @@
 """Finding the natural repeated block of a model: the unit the planner decides about.
 
 A model's blocks sit in containers (``nn.ModuleList`` / ``nn.Sequential``), sometimes in containers of
-containers (timm's EfficientNet stages), sometimes inside stage modules that hold a chain of them (ConvNeXt,
-Swin), sometimes beside a stem and a head in the same container (MobileNet).  Discovery:
+containers (EfficientNet stages), sometimes inside stage modules that hold a chain of them (ConvNeXt, Swin,
+ResNet stages: a ``Sequential``, or a ``ModuleList`` the stage runs in order), sometimes beside a stem and a
+head in the same container (MobileNet).  Discovery:
 
 1. looks at every container's *units*: its children, with plain ``nn.Sequential`` / ``nn.ModuleList``
    children opened when that shows repeated blocks below them;
 2. accepts a container whose units are mostly (more than half, at least two) of one class, and takes
    those units, plus other units that are blocks in their own right (their own ``forward``), not a stem or
    head that is a bare sequence of layers;
-3. prefers the finest level: when the accepted blocks each hold a chain (an ``nn.Sequential``) of blocks
-   with their own ``forward``, it takes those instead (a ConvNeXt stage's blocks, not the stage).  A
-   ``ModuleList`` inside a block is not a chain (mixture-of-experts' experts run side by side), and a
-   ``Sequential`` of conv/norm/activation layers is a layer, not a block (MobileNet's inner convolutions).
+3. prefers the finest level: when the accepted blocks each hold a chain of blocks with their own
+   ``forward``, it takes those instead (a ConvNeXt stage's blocks, not the stage).  A chain is a plain
+   ``nn.Sequential``, or a ``ModuleList`` of one repeated class (a stage's layers): a ``ModuleList`` of
+   distinct classes is a block's sublayers (T5's attention and feed-forward), and mixture-of-experts'
+   ``experts`` run side by side.  A module made only of torch's own layers (conv, norm, activation: a
+   ResNet "conv layer", MobileNet's inner convolutions) is a layer, not a block.
 
 Example:
     >>> [name for name, _ in candidate_modules(remat.models.GPT())]
@@ -34,8 +37,8 @@ def candidate_modules(model: nn.Module) -> Named:
     """The natural repeated blocks of ``model``, in the order of its modules.
 
     Example:
-        >>> [name for name, _ in candidate_modules(torchvision.models.resnet18())][:2]
-        ['layer1.0', 'layer1.1']
+        >>> [name for name, _ in candidate_modules(remat.models.GPT())][:2]
+        ['blocks.0', 'blocks.1']
     """
     found: Named = []
     taken: list[str] = []
@@ -68,6 +71,12 @@ def _may_be_block(module: nn.Module) -> bool:
 
 def _has_own_forward(module: nn.Module) -> bool:
     return not _is_plain(module) and next(module.children(), None) is not None
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """Made only of torch's own leaf modules (conv, norm, activation): a layer, too small to be a block."""
+    return all(type(c).__module__.startswith("torch.nn.") and next(c.children(), None) is None
+               for c in module.children())
 
 
 def _join(prefix: str, child: str) -> str:
@@ -104,11 +113,13 @@ def _finest(members: Named) -> Named:
         chained: Named = []
         for chain_name, chain in _chains(name, member):
             cls, blocks = _repeated(_units(chain_name, chain))
-            if cls is None:
+            if cls is None and isinstance(chain, nn.ModuleList):
+                blocks = []  # distinct sublayers of one block, not a chain of blocks
+            elif cls is None:
                 # a chain of a single block, or of distinct ones: its blocks with a forward of their own
-                blocks = [b for b in _units(chain_name, chain) if _has_own_forward(b[1])]
-            elif not _has_own_forward(blocks[0][1]):
-                blocks = []  # a Sequential of layers (conv, norm, activation) is a layer, not a block
+                blocks = [b for b in _units(chain_name, chain) if _has_own_forward(b[1]) and not _is_layer(b[1])]
+            elif not _has_own_forward(blocks[0][1]) or _is_layer(blocks[0][1]):
+                blocks = []  # a chain of layers (conv, norm, activation) is a layer, not a block
             chained.extend(blocks)
         if not chained:
             return members
@@ -117,8 +128,8 @@ def _finest(members: Named) -> Named:
 
 
 def _chains(prefix: str, module: nn.Module) -> Named:
-    """The plain ``nn.Sequential`` chains directly under ``module`` (itself, if it is one)."""
+    """The plain containers directly under ``module`` (itself, if it is a ``Sequential``) that may chain blocks."""
     if isinstance(module, nn.Sequential) and _is_plain(module):
         return [(prefix, module)]
     return [(_join(prefix, n), c) for n, c in module.named_children()
-            if isinstance(c, nn.Sequential) and _is_plain(c)]
+            if _is_plain(c) and not (isinstance(c, nn.ModuleList) and "expert" in n)]
