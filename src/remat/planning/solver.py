@@ -37,7 +37,7 @@ from typing import Any
 from .options import DEFAULT_ALLOW, BlockOption, block_options
 from .plan import Plan
 from .profile import StepProfile
-from .units import format_bytes, parse_bytes
+from .units import Budget, format_bytes, parse_budget
 
 __all__ = ["InfeasibleBudget", "plan_from_profile", "predict_peak"]
 
@@ -324,22 +324,17 @@ def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     return low
 
 
-def _resolve_budget(prof: StepProfile, budget: int | float | str) -> int:
-    if isinstance(budget, str):
-        return parse_bytes(budget)
-    if isinstance(budget, float) and 0 < budget <= 1:
-        return prof.param_bytes + prof.buffer_bytes + int(budget * prof.peak_above_params)
-    if isinstance(budget, (int, float)) and budget > 1:
-        return int(budget)
-    raise ValueError(
-        f"remat.plan: budget must be bytes (> 1), a size string like '8GiB', or a fraction in (0, 1] of the "
-        f"step's peak above parameters; got {budget!r}."
-    )
+def _resolve_budget(prof: StepProfile, budget: Budget | int | float | str) -> tuple[int, object]:
+    """The whole-step budget in bytes, and how to name what was asked in a refusal (a fraction as a float)."""
+    parsed = parse_budget(budget)
+    fixed = prof.param_bytes + prof.buffer_bytes
+    requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
+    return parsed.bytes_for(fixed, prof.peak_above_params), requested
 
 
 def plan_from_profile(
     prof: StepProfile,
-    budget: int | float | str,
+    budget: Budget | int | float | str,
     allow: Sequence[str] = DEFAULT_ALLOW,
     options: list[list[BlockOption]] | None = None,
 ) -> Plan:
@@ -353,12 +348,12 @@ def plan_from_profile(
         >>> for budget in (0.3, 0.5, 0.7):
         ...     print(plan_from_profile(prof, budget))
     """
-    budget_bytes = _resolve_budget(prof, budget)
+    budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
     indices = _solve(prof, budget_bytes, options)
     if indices is None:
         raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options), prof.param_bytes + prof.buffer_bytes,
-                              prof.peak_above_params, budget)
+                              prof.peak_above_params, requested)
     chosen = [choices[i] for choices, i in zip(options, indices)]
     result = Plan(
         decisions={row.name: o.name for row, o in zip(prof.rows, chosen)},

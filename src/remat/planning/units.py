@@ -1,9 +1,17 @@
-"""Bytes as people write them: parse sizes like ``8GiB`` and print sizes readably."""
+"""Bytes and budgets as people write them: sizes like ``8GiB``, budgets like ``50%``, sizes printed readably."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30}
+
+SMALLEST_BARE_BYTES = 2**20
+"""A budget written as a bare integer below this (``--budget 50``) is refused as a likely missing ``%``."""
+
+_FORMS = "a fraction of the unplanned peak above parameters (0.5 or 50%) or a whole-step size (8GiB, 512MB)"
 
 
 def parse_bytes(text: str) -> int:
@@ -13,8 +21,6 @@ def parse_bytes(text: str) -> int:
         >>> parse_bytes("1.5KiB")
         1536
     """
-    import re
-
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
@@ -28,3 +34,77 @@ def format_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A memory budget: a ``fraction`` of the unplanned step's peak above parameters, or ``nbytes`` for the
+    whole step (parameters included).  Exactly one of the two is set; ``str()`` gives it as people write it.
+
+    Example:
+        >>> parse_budget("50%").bytes_for(fixed=100, unplanned_above=1000)
+        600
+    """
+
+    fraction: float | None = None
+    nbytes: int | None = None
+    text: str = ""
+
+    def bytes_for(self, fixed: int, unplanned_above: int) -> int:
+        """The whole-step budget in bytes, for a step whose parameters and buffers take ``fixed`` bytes and
+        whose peak without a plan is ``unplanned_above`` bytes above them."""
+        if self.fraction is None:
+            return self.nbytes
+        return fixed + int(self.fraction * unplanned_above)
+
+    def __str__(self) -> str:
+        if self.text:
+            return self.text
+        return f"{self.fraction * 100:g}%" if self.fraction is not None else format_bytes(self.nbytes)
+
+
+def parse_budget(value: Budget | int | float | str) -> Budget:
+    """Read a budget the one way Python and the ``remat`` command share.
+
+    * ``"50%"`` or a float / decimal string such as ``0.5`` or ``"0.5"``: a fraction in (0, 1] of the
+      unplanned step's peak above parameters;
+    * ``"8GiB"``, ``"512MB"``: a whole-step size; an int (``8 * 2**30``) is bytes;
+    * a string of a bare integer is bytes from 1 MiB up; below that (``"50"``) it is refused as a likely
+      missing ``%``.
+
+    Example:
+        >>> parse_budget("50%"), parse_budget(0.5) == parse_budget("50%"), parse_budget("8GiB").nbytes
+        (Budget(fraction=0.5, nbytes=None, text='50%'), True, 8589934592)
+    """
+    if isinstance(value, Budget):
+        return value
+    if isinstance(value, str):
+        return _parse_text(value.strip())
+    if isinstance(value, float):
+        return _fraction(value, f"{value:g}")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return Budget(nbytes=value)
+    raise ValueError(f"a budget must be {_FORMS}, or bytes as a positive int; got {value!r}.")
+
+
+def _parse_text(text: str) -> Budget:
+    if percent := re.fullmatch(r"(-?[0-9]*\.?[0-9]+)\s*%", text):
+        return _fraction(float(percent.group(1)) / 100, text, percent=True)
+    if re.fullmatch(r"[0-9]+", text):
+        if int(text) < SMALLEST_BARE_BYTES:
+            raise ValueError(f"budget {text} would be {text} B: did you mean {text}%? Write {_FORMS}.")
+        return Budget(nbytes=int(text), text=text)
+    if re.fullmatch(r"-?[0-9]*\.[0-9]+", text):
+        return _fraction(float(text), text)
+    try:
+        return Budget(nbytes=parse_bytes(text), text=text)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a budget: write {_FORMS}.") from None
+
+
+def _fraction(value: float, shown: str, percent: bool = False) -> Budget:
+    if not 0 < value <= 1:
+        hint = " (for a size, give bytes as an int or write it like 8GiB)" if value > 1 and not percent else ""
+        raise ValueError(f"a fraction budget must be in (0, 1] (0.5 or 50% of the unplanned peak above "
+                         f"parameters); got {shown}{hint}.")
+    return Budget(fraction=value, text=shown if percent else "")
