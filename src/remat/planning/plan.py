@@ -3,12 +3,17 @@
 :class:`Plan` carries each block's decision (and a selective block's op-level decisions), the predicted
 peak and extra time, and what was planned for.  ``apply`` wraps the planned modules in place,
 ``remove`` undoes it, ``save``/``load`` round-trip it through JSON.
+
+A plan made from a profile knows its model (``meta``, see :func:`describe_model`): the model's class, and
+each planned block's class and parameter shapes.  ``apply`` checks the model against it before wrapping
+anything, and warns about blocks like the planned ones that the plan leaves out.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,6 +22,7 @@ from torch import nn
 from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
 from ..policies.rules import save_matmuls
 from .blockpolicy import BlockPolicy
+from .kvcache import cache_off_in_training, restore_cache
 from .units import format_bytes
 
 
@@ -27,6 +33,7 @@ class Plan:
     ``decisions`` maps each module's qualified name to its option; a ``selective`` block's op-level
     decisions are in ``policies`` (``{"mode", "ops": [{"op", "call", "bytes", "decision"}, ...]}``, see
     :class:`~remat.planning.blockpolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
+    ``meta`` records the model it was made for (:func:`describe_model`), checked by :meth:`apply`.
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -63,9 +70,18 @@ class Plan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Wrap the planned modules in place (idempotent; a changed plan re-wraps). Returns ``model``.
 
+        The model is checked against the one the plan was made for before anything is wrapped: a model of
+        another class, a planned block missing or of another class or parameter shape is refused (ValueError),
+        and blocks like the planned ones that the plan does not cover are named in a warning.  A Hugging Face
+        model's training-mode forwards then run with ``use_cache=False``, as transformers trains with gradient
+        checkpointing (:func:`~remat.planning.kvcache.cache_off_in_training`; :meth:`remove` undoes it).
+
         Example:
             >>> plan.apply(model)
         """
+        self.check(model)
+        if any(decision != "keep" for decision in self.decisions.values()):
+            cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)
             wrapped = isinstance(current, ActivationWrapper)
@@ -82,6 +98,24 @@ class Plan:
             setattr(parent, child, wrapper)
         return model
 
+    def check(self, model: nn.Module) -> None:
+        """Raise ValueError if this plan was made for another model; warn about blocks it leaves out.
+
+        Example:
+            >>> remat.Plan.load("plan.json").check(model)
+        """
+        problem = _mismatch(self, model)
+        if problem:
+            raise ValueError(f"remat.Plan.apply: {problem}; plan this model (remat.plan or `remat plan`), or apply "
+                             "the plan to the model it was made for.")
+        left_out = [name for name in _same_kind(model, self.decisions) if name not in self.decisions
+                    and name not in self.meta.get("candidates", ())]
+        if left_out:
+            shown = ", ".join(left_out[:4]) + (f" and {len(left_out) - 4} more" if len(left_out) > 4 else "")
+            warnings.warn(f"remat.Plan.apply: the plan covers {len(self.decisions)} blocks and leaves out "
+                          f"{len(left_out)} like them ({shown}), which stay unwrapped; make a plan for this model "
+                          "to decide about them too.", stacklevel=3)
+
     def remove(self, model: nn.Module) -> nn.Module:
         """Undo :meth:`apply`. Returns ``model``.
 
@@ -92,6 +126,7 @@ class Plan:
             parent, child, current = _locate(model, name)
             if isinstance(current, ActivationWrapper):
                 setattr(parent, child, current._checkpoint_wrapped_module)
+        restore_cache(model)
         return model
 
     def save(self, path: str) -> None:
@@ -147,6 +182,105 @@ def _kept_ops(policy: dict[str, Any] | None, shown: int = 4) -> str:
     names = [f"{d['op'].split('.')[1]}#{d['call']}" for d in kept[:shown]]
     more = f" +{len(kept) - shown} more" if len(kept) > shown else ""
     return ", ".join(names) + more
+
+
+def describe_model(model: nn.Module, blocks: Sequence[str]) -> dict[str, Any]:
+    """What a plan for ``blocks`` of ``model`` was made for: the model's class, the blocks that could have
+    been planned (the planned ones and their siblings of the same class), and each planned block's class
+    and parameter shapes.  Plain data, stored in :attr:`Plan.meta`.
+
+    Example:
+        >>> describe_model(remat.models.GPT(), ["blocks.0"])["blocks"]["blocks.0"]["class"]
+        'remat.models.Block'
+    """
+    described = {}
+    for name in blocks:
+        block = _unwrapped(_find(model, name))
+        described[name] = {"class": _class_name(block), "params": _shapes(block)}
+    return {"model": _class_name(model), "candidates": _same_kind(model, blocks), "blocks": described}
+
+
+def _class_name(module: nn.Module) -> str:
+    cls = type(_unwrapped(module))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _short(class_name: str) -> str:
+    return class_name.rpartition(".")[2]
+
+
+def _shapes(module: nn.Module) -> dict[str, str]:
+    return {name: "x".join(map(str, p.shape)) for name, p in module.named_parameters()}
+
+
+def _unwrapped(module: nn.Module | None) -> nn.Module | None:
+    return module._checkpoint_wrapped_module if isinstance(module, ActivationWrapper) else module
+
+
+def _find(model: nn.Module, name: str) -> nn.Module | None:
+    """The module at ``name`` (through checkpoint/offload wrappers), or None."""
+    module: nn.Module | None = model
+    for part in name.split(".") if name else ():
+        module = _unwrapped(module)._modules.get(part)
+        if module is None:
+            return None
+    return module
+
+
+def _mismatch(plan: Plan, model: nn.Module) -> str:
+    """The first difference between ``model`` and the one ``plan`` was made for, in a phrase ('' if none)."""
+    made_for = plan.meta.get("model")
+    if made_for and made_for != _class_name(model):
+        return f"this plan was made for a {_short(made_for)} and the model is a {type(_unwrapped(model)).__name__}"
+    model_name = type(_unwrapped(model)).__name__
+    for name in plan.decisions:
+        block = _unwrapped(_find(model, name))
+        expected = plan.meta.get("blocks", {}).get(name)
+        if block is None:
+            kind = f"{_short(expected['class'])} " if expected else ""
+            return f"the plan's {kind}block {name} is not in this {model_name}{_count_hint(model, plan)}"
+        if expected is None:
+            continue
+        if expected["class"] != _class_name(block):
+            return f"block {name} is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
+        shapes = _shapes(block)
+        if shapes != expected["params"]:
+            difference = _first_difference(shapes, expected["params"])
+            return f"block {name} has other parameters than in the plan ({difference})"
+    return ""
+
+
+def _count_hint(model: nn.Module, plan: Plan) -> str:
+    """How many blocks like the planned ones the model has, when it has fewer than the plan."""
+    present = [n for n in plan.decisions if _find(model, n) is not None]
+    if not present:
+        return ""
+    found = _same_kind(model, present)
+    return f" (it has {len(found)} such blocks, the plan {len(plan.decisions)})"
+
+
+def _first_difference(here: dict[str, str], planned: dict[str, str]) -> str:
+    for name in {**planned, **here}:
+        if here.get(name) != planned.get(name):
+            shape_here, shape_planned = here.get(name, "absent"), planned.get(name, "absent")
+            return f"{name}: {shape_here} here, {shape_planned} in the plan"
+    return ""
+
+
+def _same_kind(model: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The planned blocks and their siblings of the same class, in the model's order."""
+    found: list[str] = []
+    parents: dict[str, set[type]] = {}
+    for name in blocks:
+        block = _unwrapped(_find(model, name))
+        if block is not None:
+            parents.setdefault(name.rpartition(".")[0], set()).add(type(block))
+    for parent_name, classes in parents.items():
+        parent = _unwrapped(_find(model, parent_name))
+        for child_name, child in parent.named_children():
+            if type(_unwrapped(child)) in classes:
+                found.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    return found
 
 
 def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:

@@ -1,0 +1,108 @@
+"""Hugging Face KV caches under checkpointing: off in training, as transformers does.
+
+A model whose config says ``use_cache=True`` (the default of most Hugging Face configs) appends each
+layer's keys and values to a cache in every forward.  A checkpointed layer rerun in backward would append
+them again, so transformers turns the cache off in training when gradient checkpointing is on (with a
+warning).  remat does the same: :func:`cache_off` while profiling, and :func:`cache_off_in_training` on a
+model a plan is applied to (training-mode forwards run with ``use_cache=False``; evaluation keeps the cache).
+The configs are left as they were.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+__all__ = ["cache_off", "cache_off_in_training", "caching_configs", "restore_cache"]
+
+_HOOKS = "_remat_cache_hooks"
+
+
+def caching_configs(model: nn.Module, on_only: bool = True) -> list[Any]:
+    """The distinct configs of ``model`` and its submodules with ``use_cache`` on (any ``use_cache`` with
+    ``on_only=False``).
+
+    Example:
+        >>> caching_configs(LlamaForCausalLM(LlamaConfig()))  # [the model's LlamaConfig]
+    """
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        use_cache = getattr(config, "use_cache", None)
+        if use_cache is True or (not on_only and isinstance(use_cache, bool)):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextmanager
+def cache_off(model: nn.Module, kwargs: dict[str, Any], who: str) -> Iterator[dict[str, Any]]:
+    """Within the block, ``model``'s configs have ``use_cache=False``; yields ``kwargs`` with ``use_cache``
+    off if it was given on.  Warns once (naming ``who``) when it changed anything.
+
+    Example:
+        >>> with cache_off(model, {"input_ids": ids}, "remat.profile") as kwargs:
+        ...     model(**kwargs)
+    """
+    configs = caching_configs(model)
+    asked = bool(kwargs.get("use_cache"))
+    if configs or asked:
+        warnings.warn(f"{who}: use_cache=True is incompatible with checkpointing in training; profiling "
+                      f"{type(model).__name__} with use_cache=False, as transformers trains with gradient "
+                      "checkpointing (its config is left as it was).", stacklevel=4)
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield {**kwargs, "use_cache": False} if asked else kwargs
+    finally:
+        for config in configs:
+            config.use_cache = True
+
+
+def cache_off_in_training(model: nn.Module) -> None:
+    """Run ``model``'s training-mode forwards with ``use_cache=False`` from now on (until
+    :func:`restore_cache`), warning once now if its config has the cache on.  Idempotent; nothing to do
+    for a model without a Hugging Face-style ``config.use_cache``.
+
+    Example:
+        >>> cache_off_in_training(model)   # Plan.apply does this
+    """
+    configs = caching_configs(model, on_only=False)
+    if not configs or getattr(model, _HOOKS, None) is not None:
+        return
+    if any(config.use_cache for config in configs):
+        warnings.warn(f"remat.Plan.apply: {type(model).__name__} has use_cache=True, which is incompatible with "
+                      "checkpointing in training; its training-mode forwards will run with use_cache=False, as "
+                      "transformers does with gradient checkpointing (evaluation keeps the cache).", stacklevel=3)
+    switched: list[list[Any]] = []  # per forward in progress: the configs it switched off
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        off = [config for config in configs if config.use_cache is True] if module.training else []
+        for config in off:
+            config.use_cache = False
+        switched.append(off)
+        if module.training and kwargs.get("use_cache"):
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        for config in switched.pop() if switched else ():
+            config.use_cache = True
+
+    setattr(model, _HOOKS, (model.register_forward_pre_hook(before, with_kwargs=True),
+                            model.register_forward_hook(after, with_kwargs=True, always_call=True)))
+
+
+def restore_cache(model: nn.Module) -> None:
+    """Undo :func:`cache_off_in_training`.
+
+    Example:
+        >>> restore_cache(model)   # Plan.remove does this
+    """
+    for handle in getattr(model, _HOOKS, None) or ():
+        handle.remove()
+    if hasattr(model, _HOOKS):
+        delattr(model, _HOOKS)
