@@ -2,20 +2,25 @@
 
 import itertools
 import random
+import re
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import MLPBlock, MLPStack
 from torch import nn
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.planning.metadata import NeedsRealData
 from remat.planning.options import block_options
 from remat.planning.plan import Plan
 from remat.planning.profile import ModuleProfile, SharedTensor
 from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict_peak
 from remat.planning.timeline import Segment
-from remat.planning.workflow import Profile
+from remat.planning.units import Budget, parse_budget
+from remat.planning.workflow import Profile, SummedLossWarning
 from remat.tools.bench import ConvBlock, WideBlock
 
 
@@ -97,6 +102,8 @@ def test_apply_is_idempotent_remove_undoes_and_json_round_trips(tmp_path):
     plan.save(tmp_path / "plan.json")
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.decisions == plan.decisions and loaded.predicted_peak == plan.predicted_peak
+    assert plan.meta["model"] == "remat.models.GPT" and loaded.meta == plan.meta
+    assert set(plan.meta["blocks"]) == set(plan.decisions) == set(plan.meta["candidates"])
     plan.remove(model)
     assert not any(isinstance(m, remat.ActivationWrapper) for m in model.modules())
     assert "decision" in str(plan) and "predicted extra time" in str(plan)
@@ -185,16 +192,48 @@ def test_budget_forms_and_errors():
     prof = _synthetic(5, seed=1)
     assert plan_from_profile(prof, "1MiB").budget == 2**20
     assert plan_from_profile(prof, 1.0).budget == prof.peak_bytes
+    half = prof.param_bytes + int(0.5 * prof.peak_above_params)
+    assert plan_from_profile(prof, "50%").budget == plan_from_profile(prof, 0.5).budget == half
+    assert prof.plan("50%").budget == prof.plan("0.5").budget == half
+    assert plan_from_profile(prof, prof.peak_bytes).budget == prof.peak_bytes  # an int is bytes
     with pytest.raises(ValueError, match="size"):
         plan_from_profile(prof, "lots")
     with pytest.raises(ValueError, match="budget must be"):
         plan_from_profile(prof, -3)
 
 
+@pytest.mark.parametrize("budget, shown", [(1.5, "1.5"), ("150%", "150%"), (0.0, "0"), ("-0.5", "-0.5")])
+def test_a_fraction_outside_0_1_is_refused_before_planning(budget, shown):
+    with pytest.raises(ValueError, match=rf"^a fraction budget must be in \(0, 1\] .*; got {re.escape(shown)}[. ]"):
+        _synthetic(3, seed=1).plan(budget)
+
+
+def test_parse_budget_reads_every_form_one_way():
+    assert parse_budget("50%") == Budget(fraction=0.5, text="50%") and str(parse_budget("50%")) == "50%"
+    assert parse_budget(0.5).fraction == parse_budget("0.5").fraction == parse_budget(" 50 % ").fraction == 0.5
+    assert parse_budget("8GiB").nbytes == 8 * 2**30 and parse_budget("512MB").nbytes == 512 * 10**6
+    assert parse_budget(1234).nbytes == 1234 and parse_budget(str(2**20)).nbytes == 2**20
+    assert parse_budget("25%").bytes_for(fixed=100, unplanned_above=1000) == 350
+    with pytest.raises(ValueError, match=r"budget 50 would be 50 B: did you mean 50%\?"):
+        parse_budget("50")
+    for wrong in (True, None, "8 parsecs", "%"):
+        with pytest.raises(ValueError, match="budget"):
+            parse_budget(wrong)
+
+
+def test_a_bad_budget_is_told_before_the_profile_runs(monkeypatch):
+    import remat.planning.workflow as workflow
+
+    monkeypatch.setattr(workflow, "profile", lambda *a, **k: pytest.fail("profiled before reading the budget"))
+    with pytest.raises(ValueError, match="did you mean 50%"):
+        remat.plan(nn.Sequential(nn.Linear(2, 2)), torch.ones(1, 2), budget="50")
+
+
 _HUGE = """
 import resource, sys
 import torch, torch.nn.functional as F
 import remat
+from helpers import MLPBlock, MLPStack
 from remat.models import GPT, GPTConfig
 from remat.planning.solver import plan_from_profile
 cfg = GPTConfig(vocab_size=50257, seq_len=4096, d_model=8192, n_heads=64, n_layers=48)
@@ -227,6 +266,57 @@ def test_meta_profiling_needs_meta_tensors():
     model, inputs, loss_fn = _gpt()
     with pytest.raises(ValueError, match="meta device first"):
         remat.profile(model, *inputs, loss_fn=loss_fn, device="meta")
+
+
+class _DataChecks(nn.Module):
+    """Asks a yes/no question about its data (as transformers' mask code does), and may read a value from it."""
+
+    def __init__(self, reads=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock() for _ in range(3))
+        self.reads = reads
+
+    def forward(self, x):
+        if not bool((x == x).all()):
+            raise ValueError("NaN in the input")
+        if self.reads == "number":
+            x = x * int(x.abs().max().item())
+        elif self.reads == "selection":
+            x = x[x > 0].reshape(-1, 16)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_meta_profiling_takes_yes_no_data_checks_as_true_and_refuses_reading_values():
+    with torch.device("meta"):
+        model, x = _DataChecks(), torch.randn(32, 16)
+    prof = remat.profile(model, x, loss_fn=lambda out: out.sum(), device="meta")
+    assert len(prof.rows) == 3 and any("test_planner.py:" in n and "taken as true" in n for n in prof.notes)
+    for reads, message in [("number", r"reads a number from its data at tests/test_planner\.py:\d+ \(Tensor\.item\(\) "
+                                      r"of a float32 tensor\), which meta tensors do not have; profile it on real"),
+                           ("selection", r"_DataChecks needs the values of its data, which meta tensors do not have "
+                                         r"\(NotImplementedError: ")]:
+        with torch.device("meta"):
+            model = _DataChecks(reads)
+        with pytest.raises(NeedsRealData, match=rf"^remat\.profile\(device='meta'\): .*{message}"):
+            remat.profile(model, x, loss_fn=lambda out: out.sum(), device="meta")
+
+
+def test_profiling_without_a_loss_warns_once_that_the_output_is_summed():
+    torch.manual_seed(0)
+    model, x = MLPStack(depth=3), torch.randn(64, 16)
+    with pytest.warns(SummedLossWarning) as caught:
+        remat.profile(model, x, repeats=1, ops=False)
+    summed = [w for w in caught if issubclass(w.category, SummedLossWarning)]
+    assert len(summed) == 1 and not summed[0].message.labels_missing
+    assert str(summed[0].message) == (
+        "remat.profile: MLPStack's output has no .loss and no loss_fn was given, so the profile backpropagates the "
+        "sum of its outputs; pass loss_fn= (e.g. lambda out: F.cross_entropy(out, targets)) to profile your "
+        "training loss.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.profile(model, x, loss_fn=lambda out: out.pow(2).mean(), repeats=1, ops=False)
 
 
 class _MaskedBlock(nn.Module):

@@ -7,41 +7,65 @@ does both in one call.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..api.modules import ActivationWrapper
+from .kvcache import cache_off
+from .metadata import MetaData, NeedsRealData
 from .opgraph import profile_ops
 from .options import DEFAULT_ALLOW
-from .plan import Plan
+from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure, resolve_blocks
 from .solver import plan_from_profile
+from .units import Budget, parse_budget
 
-__all__ = ["Profile", "plan", "profile"]
+__all__ = ["Profile", "SummedLossWarning", "plan", "profile"]
 
 
+class SummedLossWarning(UserWarning):
+    """No ``loss_fn`` was given and the model's output has no ``.loss``: the profile backpropagates the sum
+    of the output's floating tensors.  ``labels_missing``: the output has an empty ``loss`` field, as a
+    Hugging Face model called without ``labels`` returns."""
+
+    def __init__(self, message: str, labels_missing: bool) -> None:
+        super().__init__(message)
+        self.labels_missing = labels_missing
+
+
+@dataclass
 class Profile(StepProfile):
     """The result of :func:`profile`: what one step keeps per block, and the prices of each option.
+
+    ``model_meta`` is what was profiled (:func:`~remat.planning.plan.describe_model`); plans made from this
+    profile carry it in ``Plan.meta`` and check it when applied.
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)
         >>> print(prof); plan = prof.plan("50%")
     """
 
-    def plan(self, budget: int | float | str, allow: Sequence[str] | None = None) -> Plan:
+    model_meta: dict[str, Any] = field(default_factory=dict)
+
+    def plan(self, budget: Budget | int | float | str, allow: Sequence[str] | None = None) -> Plan:
         """The cheapest plan for ``budget`` from this profile: no new measurement, milliseconds.
 
-        ``allow``: the options a block may take besides ``keep`` (default: all of them, see :func:`remat.plan`).
+        ``budget`` as in :func:`remat.plan` (``"50%"``, ``0.5``, ``"8GiB"``, bytes).  ``allow``: the options a
+        block may take besides ``keep`` (default: all of them, see :func:`remat.plan`).
 
         Example:
             >>> prof = remat.profile(model, input_ids=ids, labels=ids)
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
-        return plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
+        made = plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
+        made.meta = {**self.model_meta, **made.meta}
+        return made
 
 
 def profile(
@@ -58,14 +82,19 @@ def profile(
     """Profile training steps of ``model(*example_inputs, **example_kwargs)`` (no checkpointing).
 
     ``loss_fn(output)`` turns the output into a scalar (default: the output's ``.loss``, as Hugging Face
-    models return when given ``labels=``, or the sum of its floating tensors).  Gradients are left as they
-    were before the call.  Forward times are the median of ``repeats`` interleaved timings.  ``ops=True``
-    also records each block's op graph (:func:`remat.profile_ops`, one more forward) into ``.ops``, from
-    which plans draw their op-level ``selective`` options.
+    models return when given ``labels=``, or else the sum of its floating tensors, with a
+    :class:`SummedLossWarning`).  Gradients are left as they were before the call.  Forward times are the
+    median of ``repeats`` interleaved timings.  ``ops=True`` also records each block's op graph
+    (:func:`remat.profile_ops`, one more forward) into ``.ops``, from which plans draw their op-level
+    ``selective`` options.  A Hugging Face model with ``use_cache=True`` is profiled with the cache off, as
+    transformers trains with gradient checkpointing (one warning; its config is left as it was).
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
     (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
-    (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).
+    (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
+    checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
+    (:class:`~remat.planning.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
+    values is refused with a :class:`~remat.planning.metadata.NeedsRealData` saying where.
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)       # a Hugging Face model
@@ -77,19 +106,65 @@ def profile(
     if repeats < 1:
         raise ValueError(f"remat.profile: repeats must be at least 1, got {repeats}.")
     blocks = resolve_blocks(model, modules)
-    measured = measure(model, example_inputs, example_kwargs, blocks, loss_fn or default_loss, device, throughput,
-                       repeats)
-    result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)})
-    if ops:
-        result.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
-                                 throughput=throughput, **example_kwargs)
+    names = [name for name, _ in blocks]
+    on_meta = MetaData() if device == "meta" else None
+    with cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext():
+        try:
+            measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
+                               throughput, repeats)
+            op_graphs = profile_ops(model, *example_inputs, modules=names, repeats=repeats, throughput=throughput,
+                                    **kwargs) if ops else None
+        except (RuntimeError, NotImplementedError) as error:
+            if on_meta is None or "meta" not in str(error).lower():
+                raise
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            raise NeedsRealData(
+                f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
+                f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
+                "batch or sequence (activation bytes scale with them).") from error
+    result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)},
+                     model_meta=describe_model(model, names))
+    result.ops = op_graphs
+    if on_meta is not None and on_meta.answered:
+        result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
+                            "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
     return result
+
+
+def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
+    """:func:`default_loss`, warning on its first call if it has to sum the output (no ``.loss``)."""
+    warned = False
+
+    def loss(output: Any) -> torch.Tensor:
+        nonlocal warned
+        if not warned and not _carries_loss(output):
+            warned = True
+            name = type(model).__name__
+            labels_missing = hasattr(output, "loss") or (isinstance(output, dict) and "loss" in output)
+            if labels_missing:
+                text = (f"remat.profile: {name} returned no loss (no labels were given) and no loss_fn was given, "
+                        "so the profile backpropagates the sum of its outputs, not your training loss; pass "
+                        "labels= (e.g. labels=input_ids) or loss_fn=.")
+            else:
+                text = (f"remat.profile: {name}'s output has no .loss and no loss_fn was given, so the profile "
+                        "backpropagates the sum of its outputs; pass loss_fn= (e.g. lambda out: "
+                        "F.cross_entropy(out, targets)) to profile your training loss.")
+            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=2)
+        return default_loss(output)
+
+    return loss
+
+
+def _carries_loss(output: Any) -> bool:
+    if isinstance(getattr(output, "loss", None), torch.Tensor):
+        return True
+    return isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor)
 
 
 def plan(
     model: nn.Module,
     *example_inputs: Any,
-    budget: int | float | str,
+    budget: Budget | int | float | str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     allow: Sequence[str] = DEFAULT_ALLOW,
     modules: Sequence[str] | None = None,
@@ -97,20 +172,23 @@ def plan(
 ) -> Plan:
     """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
 
-    ``budget``: bytes, a size string (``"8GiB"``, ``"512MB"``) for the whole peak, or a fraction (``0.5``)
-    of the unplanned step's peak above the parameters.  ``allow`` lists the options a block may take
-    besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective`` (op-level: keep chosen op outputs of
-    the block, recompute the rest; needs one more forward to record the op graphs) and ``offload`` (only
+    ``budget``: a fraction of the unplanned step's peak above the parameters (``0.5`` or ``"50%"``), or the
+    whole step's peak as a size (``"8GiB"``, ``"512MB"``) or bytes (an int); the ``remat`` command reads
+    it the same way (:func:`~remat.planning.units.parse_budget`).  ``allow`` lists the options a block may
+    take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective`` (op-level: keep chosen op outputs
+    of the block, recompute the rest; needs one more forward to record the op graphs) and ``offload`` (only
     considered on an accelerator).  For several budgets, profile once and call ``prof.plan(budget)`` for each.
+    The plan records the model it was made for (``plan.meta``) and checks it when applied.
 
     Example:
-        >>> p = remat.plan(model, input_ids=ids, labels=ids, budget=0.5)   # Hugging Face: .loss is the loss
+        >>> p = remat.plan(model, input_ids=ids, labels=ids, budget="50%")   # Hugging Face: .loss is the loss
         >>> print(p)
         >>> p.apply(model)
     """
+    budget = parse_budget(budget)  # a mistake in it is told before the profile runs
     if any(isinstance(m, ActivationWrapper) for m in model.modules()):
         raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
                          "(plan.remove(model)) so the profile sees the step without checkpointing.")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
-                       **example_kwargs)
-    return plan_from_profile(prof, budget, allow)
+                   **example_kwargs)
+    return prof.plan(budget, allow)
