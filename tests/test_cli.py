@@ -1,6 +1,7 @@
 """The remat command, end to end in subprocesses: output, plots, and one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,9 @@ import textwrap
 import pytest
 
 from remat.models import GPTConfig
+from remat.planning.options import DEFAULT_ALLOW
+from remat.planning.units import parse_budget
+from remat.tools.cli import _ALLOW, main
 from remat.tools.demo import run_demo
 
 SMALL = ["--layers", "2", "--steps", "2", "--seq-len", "32", "--d-model", "32", "--heads", "2", "--batch-size", "4"]
@@ -142,3 +146,68 @@ def test_debug_shows_the_traceback(user_module):
 def test_every_command_has_help_with_examples(command):
     out = remat_cli(command, "--help")
     assert out.returncode == 0 and "examples:" in out.stdout and "usage: remat" in out.stdout
+
+
+_QUICK_START = textwrap.dedent('''
+    import sys
+    from remat.tools.cli import main
+    for argv in (["--help"], ["plan", "--help"], ["plan", "m:f", "--budget", "50"], ["profile"]):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+    print(sorted(m for m in ("torch", "rich", "remat.planning.workflow") if m in sys.modules))
+''')
+
+
+def test_help_and_argument_errors_answer_without_importing_torch():
+    """What makes `remat --help` start at once: nothing heavy is imported before a command runs."""
+    out = subprocess.run([sys.executable, "-c", _QUICK_START], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "did you mean 50%?" in out.stderr
+
+
+def test_the_commands_allow_choices_are_the_planners():
+    assert _ALLOW == DEFAULT_ALLOW
+
+
+@pytest.mark.parametrize("budget", ["50", "150%", "1.5", "0%", "lots"])
+def test_a_bad_budget_reads_the_same_in_python_and_on_the_command_line(budget, capsys):
+    with pytest.raises(ValueError) as python:
+        parse_budget(budget)
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "usermodel:build", "--input-shape", "8,16", "--budget", budget])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"remat plan: error: argument --budget: {python.value}"
+
+
+_HF_MODULE = textwrap.dedent('''
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from zoo import import_transformers
+
+    transformers = import_transformers()
+
+    def llama():  # a stock config: use_cache=True
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+        return transformers.LlamaForCausalLM(cfg)
+
+    def tokens():  # no labels
+        return {{"input_ids": torch.randint(0, 128, (2, 32))}}
+''')
+
+
+def test_a_stock_hugging_face_model_profiles_on_the_meta_device(tmp_path):
+    (tmp_path / "hfmodel.py").write_text(_HF_MODULE.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    out = remat_cli("profile", "hfmodel:llama", "--inputs", "hfmodel:tokens", "--device", "meta", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "LlamaDecoderLayer" in out.stdout and "estimated from FLOPs" in out.stdout
+    assert "note: on the meta device, the data checks at transformers/masking_utils.py:" in out.stdout
+    warned = [line for line in out.stderr.splitlines() if line.startswith("remat profile: warning: ")]
+    assert len(warned) == 2, out.stderr
+    assert "use_cache=True is incompatible with checkpointing in training" in warned[0]
+    assert "the model returned no loss (no labels among its inputs)" in warned[1]
+    assert "return labels from --inputs" in warned[1]

@@ -5,77 +5,74 @@ A drop-in replacement for ``torch.utils.checkpoint``::
     import remat
     y = remat.checkpoint(block, x)          # non-reentrant, no warning
     y = remat.checkpoint_sequential(model, 4, x)
+
+Each public name is imported on first use, so that ``import remat`` itself, and the ``remat`` command's
+start and ``--help``, do not wait for torch.
 """
 
-from . import models, policies
-from .api.checkpoint import checkpoint, noop_context_fn, set_checkpoint_debug_enabled, set_checkpoint_early_stop
-from .api.modules import (
-    ActivationWrapper,
-    CheckpointImpl,
-    CheckpointWrapper,
-    OffloadWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-    offload_wrapper,
-)
-from .api.sequential import checkpoint_sequential
-from .engine.checks import CheckpointError
-from .engine.nonreentrant import GraphExecGroup
-from .engine.reentrant import CheckpointFunction, check_backward_validity, detach_variable
-from .engine.replay import DefaultDeviceType, get_device_states, set_device_states
-from .planning.blockpolicy import BlockPolicy
-from .planning.fronts import block_front
-from .planning.memory import StepMemory, measure_step
-from .planning.opgraph import profile_ops
-from .planning.plan import Plan
-from .planning.solver import InfeasibleBudget
-from .planning.workflow import Profile, plan, profile
-from .policies.decisions import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
-from .policies.offload import OffloadStats, offload, save_on_cpu
-from .policies.selective import create_selective_checkpoint_contexts
-from .policies.tags import tag
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "SAC_IGNORED_OPS",
-    "ActivationWrapper",
-    "CheckpointPolicy",
-    "OffloadStats",
-    "SelectiveCheckpointContext",
-    "create_selective_checkpoint_contexts",
-    "offload",
-    "offload_wrapper",
-    "BlockPolicy",
-    "block_front",
-    "profile_ops",
-    "plan",
-    "policies",
-    "profile",
-    "save_on_cpu",
-    "tag",
-    "CheckpointImpl",
-    "CheckpointWrapper",
-    "InfeasibleBudget",
-    "OffloadWrapper",
-    "Plan",
-    "Profile",
-    "StepMemory",
-    "apply_activation_checkpointing",
-    "checkpoint_wrapper",
-    "measure_step",
-    "models",
-    "CheckpointError",
-    "CheckpointFunction",
-    "DefaultDeviceType",
-    "GraphExecGroup",
-    "check_backward_validity",
-    "checkpoint",
-    "checkpoint_sequential",
-    "detach_variable",
-    "get_device_states",
-    "noop_context_fn",
-    "set_checkpoint_debug_enabled",
-    "set_checkpoint_early_stop",
-    "set_device_states",
-]
+_SOURCES = {
+    "SAC_IGNORED_OPS": "policies.decisions",
+    "ActivationWrapper": "api.modules",
+    "CheckpointPolicy": "policies.decisions",
+    "OffloadStats": "policies.offload",
+    "SelectiveCheckpointContext": "policies.decisions",
+    "create_selective_checkpoint_contexts": "policies.selective",
+    "offload": "policies.offload",
+    "offload_wrapper": "api.modules",
+    "BlockPolicy": "planning.blockpolicy",
+    "block_front": "planning.fronts",
+    "profile_ops": "planning.opgraph",
+    "plan": "planning.workflow",
+    "policies": "policies",
+    "profile": "planning.workflow",
+    "save_on_cpu": "policies.offload",
+    "tag": "policies.tags",
+    "CheckpointImpl": "api.modules",
+    "CheckpointWrapper": "api.modules",
+    "InfeasibleBudget": "planning.solver",
+    "OffloadWrapper": "api.modules",
+    "Plan": "planning.plan",
+    "Profile": "planning.workflow",
+    "StepMemory": "planning.memory",
+    "apply_activation_checkpointing": "api.modules",
+    "checkpoint_wrapper": "api.modules",
+    "measure_step": "planning.memory",
+    "models": "models",
+    "CheckpointError": "engine.checks",
+    "CheckpointFunction": "engine.reentrant",
+    "DefaultDeviceType": "engine.replay",
+    "GraphExecGroup": "engine.nonreentrant",
+    "check_backward_validity": "engine.reentrant",
+    "checkpoint": "api.checkpoint",
+    "checkpoint_sequential": "api.sequential",
+    "detach_variable": "engine.reentrant",
+    "get_device_states": "engine.replay",
+    "noop_context_fn": "api.checkpoint",
+    "set_checkpoint_debug_enabled": "api.checkpoint",
+    "set_checkpoint_early_stop": "api.checkpoint",
+    "set_device_states": "engine.replay",
+}
+"""Each public name and the module (under ``remat``) that defines it; a subpackage names itself."""
+
+__all__ = list(_SOURCES)
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    module = import_module(f".{source}", __name__)
+    value = module if source == name else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,4 +1,8 @@
-"""The ``remat`` command: demo, profile, plan, bench."""
+"""The ``remat`` command: demo, profile, plan, bench.
+
+It starts without torch: ``remat --help`` and mistakes in the arguments answer at once, and each command
+imports what it needs (torch, the planner, rich) when it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,20 @@ import argparse
 import importlib
 import json
 import sys
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from ..planning.units import Budget, parse_budget
 
-from ..planning.options import DEFAULT_ALLOW
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["main"]
+
+_ALLOW = ("checkpoint", "save_matmuls", "selective", "offload")
+"""``remat.planning.options.DEFAULT_ALLOW``, written out so that parsing the arguments needs no torch
+(test_cli checks that the two agree)."""
 
 
 class UserError(Exception):
@@ -33,28 +43,17 @@ def _console():
     return console if console.is_terminal else Console(width=130)  # piped: do not fold tables to 80 columns
 
 
-def _budget(text: str) -> float | str:
-    """A fraction (0.5 or 50%) or a size (8GiB)."""
-    text = text.strip()
+def _budget(text: str) -> Budget:
+    """A fraction (0.5 or 50%) or a size (8GiB), read as Python reads it (:func:`parse_budget`)."""
     try:
-        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        from ..planning.units import parse_bytes
-
-        try:
-            parse_bytes(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-        return text
-    if not 0 < value <= 1:
-        if value > 1 and value.is_integer():
-            return str(int(value))
-        raise argparse.ArgumentTypeError(f"a fraction budget must be in (0, 1], got {text}")
-    return value
+        return parse_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # ---- demo -------------------------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
+    import torch
     from rich.progress import Progress
     from rich.table import Table
 
@@ -138,6 +137,8 @@ def _call(fn: Callable[..., Any], what: str, spec: str) -> Any:
 
 
 def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple, dict]:
+    import torch
+
     factory = _load(args.model, "MODULE:FACTORY")
     device = getattr(args, "device", None)
     if device == "meta":
@@ -177,15 +178,45 @@ def _profile_of(args: argparse.Namespace):
     from ..planning.workflow import profile
 
     model, inputs, kwargs = _model_and_inputs(args)
-    try:
-        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
-                       ops="selective" in getattr(args, "allow", ()), **kwargs)
-    except ValueError as error:
-        raise UserError(str(error)) from error
-    except RuntimeError as error:
-        first_line = str(error).strip().splitlines()[0]
-        raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
-                        "check --input-shape / --inputs against the model's forward") from error
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
+                           ops="selective" in getattr(args, "allow", ()), **kwargs)
+        except ValueError as error:
+            raise UserError(_unprefixed(str(error))) from error
+        except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0]
+            raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
+                            "check --input-shape / --inputs against the model's forward") from error
+        finally:
+            _print_warnings(args.command, caught)
+
+
+def _print_warnings(command: str, caught: list[warnings.WarningMessage]) -> None:
+    """The profile's warnings, once each, as one line in the command's terms."""
+    from ..planning.workflow import SummedLossWarning
+
+    lines: dict[str, None] = {}
+    for warning in caught:
+        if isinstance(warning.message, SummedLossWarning):
+            if not warning.message.labels_missing:
+                continue  # a plain output: its sum is the command's loss (see --help)
+            text = ("the model returned no loss (no labels among its inputs), so the profile backpropagates the sum "
+                    "of its outputs, not your training loss; return labels from --inputs, e.g. "
+                    "{'input_ids': ids, 'labels': ids}")
+        else:
+            text = _unprefixed((str(warning.message).strip().splitlines() or [""])[0])
+        lines[f"remat {command}: warning: {text}"] = None
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+def _unprefixed(message: str) -> str:
+    """A library message without its ``remat.profile: `` prefix: the command names itself."""
+    import re
+
+    return re.sub(r"^remat\.[\w.]+(\([^)]*\))?: ", "", message)
 
 
 def _profile_cmd(args: argparse.Namespace) -> int:
@@ -194,11 +225,13 @@ def _profile_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(prof.to_dict(), indent=2))
     else:
         print(prof)
+        for note in prof.notes:
+            print(f"note: {note}")
     return 0
 
 
 def _plan_cmd(args: argparse.Namespace) -> int:
-    from ..planning.solver import InfeasibleBudget, plan_from_profile
+    from ..planning.solver import InfeasibleBudget
 
     if args.output and len(args.budget) > 1:
         raise UserError("-o writes one plan: give a single --budget with it")
@@ -206,10 +239,9 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     made = 0
     for index, budget in enumerate(args.budget):
         if len(args.budget) > 1:
-            label = f"{budget:.0%}" if isinstance(budget, float) else budget
-            print(("\n" if index else "") + f"== budget {label} ==")
+            print(("\n" if index else "") + f"== budget {budget} ==")
         try:
-            plan = plan_from_profile(prof, budget, allow=tuple(args.allow))
+            plan = prof.plan(budget, allow=tuple(args.allow))
         except InfeasibleBudget as error:
             if len(args.budget) == 1:
                 raise UserError(str(error)) from error
@@ -268,7 +300,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
 
 
-def _parser() -> argparse.ArgumentParser:
+_LOSS = ("The step's loss is the output's .loss (a Hugging Face model given labels by --inputs) or else the sum "
+         "of the output.")
+
+
+def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The command line's parser; ``bench``'s options (which import torch) only when ``argv`` runs it."""
     parser = argparse.ArgumentParser(prog="remat", description="Activation checkpointing for PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -292,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     demo.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
     demo.add_argument("--steps", type=int, default=5, help="training steps per mode (default 5)")
-    demo.add_argument("--budget", type=_budget, default=0.5,
+    demo.add_argument("--budget", type=_budget, default="50%",
                       help="the plan's budget: a fraction of the no-checkpointing peak above parameters "
                            "(0.5 or 50%%, the default) or a size (200MiB)")
     demo.add_argument("--plot", default="remat_demo.png", help="PNG to write (default remat_demo.png; '' for none)")
@@ -302,7 +339,8 @@ def _parser() -> argparse.ArgumentParser:
 
     prof = command("profile", "profile a model: activation memory and time per block",
                    "Run one training step of MODULE:FACTORY's model (no checkpointing) and print, per candidate "
-                   "block, the activations it keeps for backward, its input/output bytes and forward time.")
+                   "block, the activations it keeps for backward, its input/output bytes and forward time. "
+                   f"{_LOSS}")
     _add_model_arguments(prof)
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     prof.set_defaults(run=_profile_cmd)
@@ -310,12 +348,13 @@ def _parser() -> argparse.ArgumentParser:
     plan = command("plan", "the cheapest checkpointing plan that fits a memory budget",
                    "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / selective "
                    "(chosen op outputs kept) / offload per block) with the least recomputation whose predicted peak "
-                   "fits --budget.")
+                   f"fits --budget. {_LOSS}")
     _add_model_arguments(plan)
     plan.add_argument("--budget", type=_budget, required=True, nargs="+",
-                      help="whole-step peak as a size (8GiB, 512MB) or a fraction of the unplanned peak above "
-                           "parameters (0.5 or 50%%); several budgets are planned from one profile")
-    plan.add_argument("--allow", nargs="+", default=list(DEFAULT_ALLOW), choices=list(DEFAULT_ALLOW),
+                      help="a fraction of the unplanned peak above parameters (0.5 or 50%%) or the whole-step peak "
+                           "as a size (8GiB, 512MB); a bare number below 1 MiB is refused (did you mean 50%%?); "
+                           "several budgets are planned from one profile")
+    plan.add_argument("--allow", nargs="+", default=list(_ALLOW), choices=list(_ALLOW),
                       help="options the plan may use (selective: keep chosen op outputs of a block, recompute "
                            "the rest)")
     plan.add_argument("-o", "--output", help="write the plan as JSON")
@@ -324,9 +363,10 @@ def _parser() -> argparse.ArgumentParser:
     bench = command("bench", "benchmark remat against torch.utils.checkpoint and no checkpointing",
                     "Time a training step of each case under no checkpointing, torch.utils.checkpoint and remat "
                     "(both variants), interleaved, and print ratios and peak memory.")
-    from .bench import add_arguments
+    if next((a for a in argv if not a.startswith("-")), None) == "bench":
+        from .bench import add_arguments
 
-    add_arguments(bench)
+        add_arguments(bench)
     bench.set_defaults(run=_bench_cmd)
     return parser
 
@@ -338,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         >>> main(["demo", "--layers", "2", "--steps", "2", "--seq-len", "32", "--plot", ""])
         0
     """
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(argv).parse_args(argv)
     try:
         return args.run(args)
     except UserError as error:
