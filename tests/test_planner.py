@@ -233,7 +233,6 @@ _HUGE = """
 import resource, sys
 import torch, torch.nn.functional as F
 import remat
-from helpers import MLPBlock, MLPStack
 from remat.models import GPT, GPTConfig
 from remat.planning.solver import plan_from_profile
 cfg = GPTConfig(vocab_size=50257, seq_len=4096, d_model=8192, n_heads=64, n_layers=48)
