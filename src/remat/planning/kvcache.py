@@ -20,6 +20,7 @@ from torch import nn
 __all__ = ["cache_off", "cache_off_in_training", "caching_configs", "restore_cache"]
 
 _HOOKS = "_remat_cache_hooks"
+_SWITCHED = "_remat_cache_switched"
 
 
 def caching_configs(model: nn.Module, on_only: bool = True) -> list[Any]:
@@ -70,30 +71,32 @@ def cache_off_in_training(model: nn.Module) -> None:
     Example:
         >>> cache_off_in_training(model)   # Plan.apply does this
     """
-    configs = caching_configs(model, on_only=False)
-    if not configs or getattr(model, _HOOKS, None) is not None:
+    if not caching_configs(model, on_only=False) or getattr(model, _HOOKS, None) is not None:
         return
-    if any(config.use_cache for config in configs):
+    if caching_configs(model):
         warnings.warn(f"remat.Plan.apply: {type(model).__name__} has use_cache=True, which is incompatible with "
                       "checkpointing in training; its training-mode forwards will run with use_cache=False, as "
                       "transformers does with gradient checkpointing (evaluation keeps the cache).", stacklevel=3)
-    switched: list[list[Any]] = []  # per forward in progress: the configs it switched off
+    # module-level hooks that find the configs at each call: a deep copy of the model (an EMA copy) switches
+    # its own configs, and the model still pickles
+    setattr(model, _HOOKS, (model.register_forward_pre_hook(_cache_off_before, with_kwargs=True),
+                            model.register_forward_hook(_cache_back_after, with_kwargs=True, always_call=True)))
 
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        off = [config for config in configs if config.use_cache is True] if module.training else []
-        for config in off:
-            config.use_cache = False
-        switched.append(off)
-        if module.training and kwargs.get("use_cache"):
-            return args, {**kwargs, "use_cache": False}
-        return None
 
-    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        for config in switched.pop() if switched else ():
-            config.use_cache = True
+def _cache_off_before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    switched = caching_configs(module) if module.training else []
+    for config in switched:
+        config.use_cache = False
+    module.__dict__.setdefault(_SWITCHED, []).append(switched)  # a stack: forwards may nest
+    if module.training and kwargs.get("use_cache"):
+        return args, {**kwargs, "use_cache": False}
+    return None
 
-    setattr(model, _HOOKS, (model.register_forward_pre_hook(before, with_kwargs=True),
-                            model.register_forward_hook(after, with_kwargs=True, always_call=True)))
+
+def _cache_back_after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    stack = module.__dict__.get(_SWITCHED)
+    for config in stack.pop() if stack else ():
+        config.use_cache = True
 
 
 def restore_cache(model: nn.Module) -> None:
@@ -104,5 +107,5 @@ def restore_cache(model: nn.Module) -> None:
     """
     for handle in getattr(model, _HOOKS, None) or ():
         handle.remove()
-    if hasattr(model, _HOOKS):
-        delattr(model, _HOOKS)
+    for name in (_HOOKS, _SWITCHED):
+        model.__dict__.pop(name, None)
