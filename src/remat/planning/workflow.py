@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ..api.modules import ActivationWrapper
-from .opgraph import profile_ops
 from .options import DEFAULT_ALLOW
 from .plan import Plan
 from .profile import StepProfile, default_loss, measure, resolve_blocks
@@ -80,9 +79,8 @@ def profile(
     measured = measure(model, example_inputs, example_kwargs, blocks, loss_fn or default_loss, device, throughput,
                        repeats)
     result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)})
-    if ops:
-        result.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
-                                 throughput=throughput, **example_kwargs)
+    if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
+        result.ops = None
     return result
 
 
