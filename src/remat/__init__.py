@@ -24,6 +24,7 @@ from .engine.nonreentrant import GraphExecGroup
 from .engine.reentrant import CheckpointFunction, check_backward_validity, detach_variable
 from .engine.replay import DefaultDeviceType, get_device_states, set_device_states
 from .planning.blockpolicy import BlockPolicy
+from .planning.broadcast import broadcast_plan
 from .planning.fronts import block_front
 from .planning.memory import StepMemory, measure_step
 from .planning.opgraph import profile_ops
@@ -48,6 +49,7 @@ __all__ = [
     "offload_wrapper",
     "BlockPolicy",
     "block_front",
+    "broadcast_plan",
     "profile_ops",
     "plan",
     "policies",

@@ -19,6 +19,9 @@ than it.  Keeping op ``i`` spares its kernel: the replay still dispatches it (ho
 output, a gain of ``op_cost(host + policy_replay, device) − (host + policy_replay)`` — the kernel time
 on the CPU — less the two copies of a random in-place op kept by value (forward's and the replay's).
 
+Near-ties between outputs of equal size are made exact (:data:`TIE`), so that which of them a plan keeps
+does not follow timing noise from one process to the next.
+
 ``save_matmuls`` is the selective point that keeps every matmul-like output (:data:`MATMUL_OPS`).
 
 Example:
@@ -63,10 +66,11 @@ class BlockPrices:
                                + overheads.policy_replay * graph.saved_needing_grad)
         self.matmul_time = sum(n.kernel_time for n in nodes if n.op in _MATMUL_NAMES)
         copy = 2 * overheads.copy_per_byte
-        self.gain = {}
+        gain = {}
         for i in graph.keepable:
             host = nodes[i].host_time + overheads.policy_replay
-            self.gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
+            gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
+        self.gain = _tied(gain, {i: nodes[i].out_bytes for i in gain})
 
     def time(self, mode: str, kept: Iterable[int] = ()) -> float:
         """Extra seconds per step of running the block in ``mode`` (``keep``, ``checkpoint``, ``selective``)."""
@@ -79,3 +83,30 @@ class BlockPrices:
     def matmul_nodes(self) -> tuple[int, ...]:
         """The keepable nodes ``save_matmuls`` keeps: the outputs of matmul-like ops."""
         return tuple(i for i in self.graph.keepable if self.graph.nodes[i].op in _MATMUL_NAMES)
+
+
+TIE = 0.25
+
+
+def _tied(gain: dict[int, float], nbytes: dict[int, int]) -> dict[int, float]:
+    """``gain`` with near-ties made exact: nodes of equal bytes whose gains lie within ``TIE`` of the next
+    (a chain, in order of gain) share the chain's mean gain.
+
+    Which of two same-sized outputs to keep is then decided by their order in the block, not by timing
+    noise of a few percent between fresh processes; the plan gives up at most ``TIE`` of one op's gain.
+    """
+    by_bytes: dict[int, list[int]] = {}
+    for i in sorted(gain, key=lambda i: (gain[i], i)):
+        by_bytes.setdefault(nbytes[i], []).append(i)
+    tied = dict(gain)
+    for members in by_bytes.values():
+        chain = [members[0]]
+        for i in [*members[1:], None]:
+            if i is not None and gain[i] - gain[chain[-1]] <= TIE * max(abs(gain[i]), abs(gain[chain[-1]])):
+                chain.append(i)
+                continue
+            mean = sum(gain[j] for j in chain) / len(chain)
+            tied.update((j, mean) for j in chain)
+            if i is not None:
+                chain = [i]
+    return tied

@@ -3,12 +3,13 @@
 On an accelerator the host only *enqueues* kernels and runs ahead, so a host clock around an op measures
 its launch, not its kernel.  A :class:`Clock` for an accelerator records events on the current stream
 (``mark``) and reads them all after one synchronize (``read``), so a measurement of a thousand ops costs
-one synchronize, not one per op.  On the CPU the device is the host: a mark is a ``time.perf_counter()``
-reading and the same code runs.
+one synchronize, not one per op.  On the CPU the device is the host and the same code runs: a mark is a
+reading of the CPU's clock — this thread's CPU time when torch computes on one thread (so other processes
+on a shared machine do not count), else ``time.perf_counter()``.
 
-Host time is measured apart, always with ``time.perf_counter()``: what the Python machinery (a policy's
-dispatch, autograd, the dispatcher) costs the host.  Whether the device waits for it depends on the
-clock:
+Host time is measured apart (``Clock.host_now``: ``time.perf_counter()`` beside an accelerator, the CPU's
+clock on the CPU): what the Python machinery (a policy's dispatch, autograd, the dispatcher) costs the
+host.  Whether the device waits for it depends on the clock:
 
 * on the CPU (``asynchronous`` False) host work and kernels run one after the other: an op costs
   ``host + device``;
@@ -58,6 +59,17 @@ def op_cost(host: float, device: float, asynchronous: bool) -> float:
     return max(host, device) if asynchronous else host + device
 
 
+def _cpu_clock() -> Callable[[], float]:
+    """The CPU's clock: this thread's CPU time when torch computes on this thread alone, else the wall clock.
+
+    With one intra-op thread every kernel, backward's included, runs on the calling thread, so its CPU time
+    is the device's time spent on the work — and, unlike the wall clock, it does not count the time the
+    operating system gives the core to other processes.  With several threads a kernel's work is spread
+    over them and only the wall clock measures it.
+    """
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def _events(device_type: str) -> tuple[Callable[[], Any], Callable[[], None]] | None:
     """(new timing event, synchronize) for an accelerator, or None where it has no events."""
     module = getattr(torch, device_type, None)
@@ -96,12 +108,13 @@ class Clock:
                 events = (lambda: _SynchronizedMark(synchronize)), (lambda: None)
         self._new_event, self._synchronize = events if events is not None else (None, None)
         self.asynchronous = self._new_event is not None
+        self.host_now = _cpu_clock() if self._new_event is None else time.perf_counter
         self._marks: list[Any] = []
 
     def mark(self) -> int:
         """Record a point on the device's timeline; returns its number for :meth:`read`."""
         if self._new_event is None:
-            self._marks.append(time.perf_counter())
+            self._marks.append(self.host_now())
         else:
             event = self._new_event()
             event.record()
@@ -126,9 +139,9 @@ class Clock:
             >>> _, device_s, host_s = Clock("cpu").time(lambda: model(x))
         """
         start = self.mark()
-        host = time.perf_counter()
+        host = self.host_now()
         result = fn()
-        host = time.perf_counter() - host
+        host = self.host_now() - host
         end = self.mark()
         marks = self.read()
         return result, marks[end] - marks[start], host
@@ -159,14 +172,14 @@ class _Stopwatch(TorchDispatchMode):
         self.marks: list[tuple[int, int]] = []
         self.host: list[float] = []
         self.count = 0
-        self.last = time.perf_counter()
+        self.last = clock.host_now()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         clock = self.clock
         start = clock.mark()
         out = func(*args, **(kwargs or {}))
         end = clock.mark()
-        now = time.perf_counter()
+        now = clock.host_now()
         if self.count < self.n:
             self.marks.append((start, end))
             self.host.append(now - self.last)
@@ -229,7 +242,7 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
     def watched(label: str, context: Any, keep: bool) -> None:
         watch = _Stopwatch(clock, n)
         with watch, context:  # the policy's mode on top: the stopwatch sees only the kernel calls
-            watch.last = time.perf_counter()
+            watch.last = clock.host_now()
             run()
         if watch.count != n:
             raise RuntimeError(
@@ -251,19 +264,32 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
         recorder, replayer = policy_modes()
         watched("recorder", recorder, keep)
         watched("replayer", replayer, keep)
-    device = [statistics.median(column) for column in zip(*device_rows)]
-    host = {label: [statistics.median(column) for column in zip(*rows)] for label, rows in host_rows.items()}
+    # Each op's *share* of its run, median over runs: a machine that slows down between runs (other
+    # processes, clock speed) moves every op of a run alike, so shares hold where absolute times drift.
+    device = _median_shares(device_rows)
+    host = _median_shares(host_rows["alone"])
+    device_total = statistics.median(sum(row) for row in device_rows)
+    host_total = {label: statistics.median(sum(row) for row in rows) for label, rows in host_rows.items()}
     forward = statistics.median(plain_device)
     if clock.asynchronous:
-        device_scale = 1.0
-        total_host = sum(host["alone"])
-        host_scale = statistics.median(plain_host) / total_host if total_host > 0 else 0.0
+        device_scale = device_total
+        host_scale = statistics.median(plain_host)
     else:
-        total = sum(device) + sum(host["alone"])
-        device_scale = host_scale = forward / total if total > 0 else 0.0
+        watched_total = device_total + host_total["alone"]
+        fraction = forward / watched_total if watched_total > 0 else 0.0
+        device_scale, host_scale = device_total * fraction, host_total["alone"] * fraction
 
     def per_op(label: str) -> float:
-        return max(sum(host[label]) - sum(host["alone"]), 0.0) * host_scale / n
+        growth = max(host_total[label] - host_total["alone"], 0.0)
+        return growth * host_scale / host_total["alone"] / n if host_total["alone"] > 0 else 0.0
 
-    return OpTimes([d * device_scale for d in device], [h * host_scale for h in host["alone"]], forward,
+    return OpTimes([d * device_scale for d in device], [h * host_scale for h in host], forward,
                    per_op("recorder"), per_op("replayer"), clock.asynchronous)
+
+
+def _median_shares(rows: list[list[float]]) -> list[float]:
+    """Per column, the median over rows of its share of the row's sum."""
+    shares = [[x / total for x in row] for row in rows if (total := sum(row)) > 0]
+    if not shares:
+        return [0.0] * (len(rows[0]) if rows else 0)
+    return [statistics.median(column) for column in zip(*shares)]
