@@ -10,8 +10,9 @@ Every variant is the same GPT (same seed) with its blocks wrapped, compiled whol
 (PyTorch's ``apply_activation_checkpointing``), ``remat`` (``remat.apply_activation_checkpointing``), and the
 selective pair ``torch-sac`` / ``remat-sac`` (keep matmul outputs: PyTorch's selective-checkpoint contexts
 with that policy, remat's ``save_matmuls``).  One training step (forward + backward) per variant per round,
-rounds interleaved with the order rotated, warm-up rounds excluded; medians with interquartile ranges, and
-the median of the per-round ratios remat/torch (robust to machine drift).  Saved bytes are the distinct
+rounds interleaved with the order rotated on the device's clock (``remat.tools.bench.interleaved_rounds``),
+warm-up rounds excluded; medians with interquartile ranges, and the median of the per-round ratios
+remat/torch (robust to machine drift).  Saved bytes are the distinct
 non-parameter storages that reach an outer ``saved_tensors_hooks`` during the compiled forward
 (deterministic).
 """
@@ -34,6 +35,7 @@ import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.planning.memory import saved_bytes
 from remat.policies.rules import MATMUL_OPS, save_matmuls
+from remat.tools.bench import interleaved_rounds
 
 
 def _is_block(module: torch.nn.Module) -> bool:
@@ -83,15 +85,9 @@ def run(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         steps[name]().backward()  # compile forward and backward
         results[name] = {"compile_s": time.perf_counter() - start}
-    times: dict[str, list[float]] = {name: [] for name in args.variants}
-    for round_index in range(args.warmup + args.repeats):
-        shift = round_index % len(args.variants)
-        for name in args.variants[shift:] + args.variants[:shift]:
-            models[name].zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            steps[name]().backward()
-            if round_index >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+    rounds = interleaved_rounds({name: functools.partial(_step, models[name], steps[name]) for name in args.variants},
+                                args.repeats, args.warmup)
+    times = {name: [r[name] for r in rounds] for name in args.variants}
     for name in args.variants:
         q1, median, q3 = _quartiles(times[name])
         models[name].zero_grad(set_to_none=True)
@@ -105,6 +101,11 @@ def run(args: argparse.Namespace) -> dict:
     machine = f"{platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), " \
               f"python {platform.python_version()}"
     return {"machine": machine, "config": vars(args), "variants": results, "ratios": ratios}
+
+
+def _step(model: torch.nn.Module, loss: Callable[[], torch.Tensor]) -> None:
+    model.zero_grad(set_to_none=True)
+    loss().backward()
 
 
 def _loss(compiled: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

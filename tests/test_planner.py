@@ -242,7 +242,7 @@ with torch.device("meta"):
     targets = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len))
 prof = remat.profile(model, tokens, loss_fn=lambda o: F.cross_entropy(o.flatten(0, 1), targets.flatten()),
                      device="meta")
-plan = plan_from_profile(prof, "640GiB")
+plan = prof.plan("640GiB")
 print(len(prof.rows), prof.param_bytes, prof.peak_bytes, plan.predicted_peak, prof.rows[0].forward_time,
       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

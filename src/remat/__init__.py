@@ -27,6 +27,7 @@ _SOURCES = {
     "offload": "policies.offload",
     "offload_wrapper": "api.modules",
     "BlockPolicy": "planning.blockpolicy",
+    "broadcast_plan": "planning.broadcast",
     "block_front": "planning.fronts",
     "profile_ops": "planning.opgraph",
     "plan": "planning.workflow",

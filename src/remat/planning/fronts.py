@@ -10,20 +10,14 @@ mode           kept through the step                  extra time per step
 ``selective``  inputs + the kept op outputs ``K``     checkpoint's − Σ gain of ``K`` + policy dispatch
 =============  =====================================  ===========================================================
 
-The gain of a kept op is its kernel time; for a random in-place op (kept by
-value, see :mod:`remat.policies.selective`) minus its two copies, forward's and the
-recomputation's (``copied_bytes`` × ``overheads.copy_per_byte`` each).  Random
-ops are keepable like any other: a served one sets its generator's state
-instead of drawing, which costs microseconds and is left out.
+Times come from :class:`remat.planning.prices.BlockPrices` (per op device and host time, combined as the
+device waits for them, and the machinery's measured costs).  The gain of a kept op is the kernel time it
+spares; for a random in-place op (kept by value, see :mod:`remat.policies.selective`) minus its two
+copies, forward's and the recomputation's.  Random ops are keepable like any other: a served one sets its
+generator's state instead of drawing, which costs microseconds and is left out.
 
 ``stop`` is where remat's early stop ends a recomputation: at the block's
-last saved tensor, whatever is kept.  The machinery's costs are measured
-(``graph.overheads``: per checkpointed call and per saved tensor by
-:func:`remat.planning.overheads.measure_overheads`, per op under a selective policy on
-the block itself by :func:`remat.planning.opgraph.profile_ops`): a selective policy
-pays ``policy_forward`` for every op of the forward and ``policy_replay`` for
-every op the recomputation dispatches (its first ``stop`` ops and a detach per
-rebuilt tensor that requires grad).
+last saved tensor, whatever is kept.
 
 Why there are no "recompute j ⇒ j's inputs are kept or recomputed"
 constraints: remat's replay reruns *every* op that is not kept up to the stop
@@ -52,6 +46,7 @@ from dataclasses import dataclass
 
 from .blockpolicy import BlockPolicy, OpDecision
 from .opgraph import BlockGraph, OpProfile
+from .prices import BlockPrices
 from .units import format_bytes
 
 __all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "policy_for", "thin_front"]
@@ -86,24 +81,21 @@ class FrontPoint:
 
 
 class _CostModel:
-    """The cost model of one graph, with what every point shares computed once."""
+    """The cost model of one graph: its time side (:class:`~remat.planning.prices.BlockPrices`) and its peaks."""
 
     def __init__(self, graph: BlockGraph) -> None:
         self.graph = graph
         self.keepable = set(graph.keepable)
-        stop, overheads = graph.stop, graph.overheads
-        prefix = sum(n.wall_time for n in graph.nodes[:stop])
-        self.checkpoint_time = overheads.region + overheads.per_saved * graph.saved_tensors + prefix
-        # The replay also dispatches the detach of every rebuilt tensor that requires grad.
-        self.selective_time = (self.checkpoint_time + overheads.policy_forward * len(graph.nodes)
-                               + overheads.policy_replay * (stop + graph.saved_needing_grad))
+        self.prices = BlockPrices(graph)
+        self.checkpoint_time = self.prices.checkpoint_time
+        self.selective_time = self.prices.selective_time
+        self.gain = self.prices.gain
+        stop = graph.stop
         # (maker, first op after which it is gone, bytes) of every storage a recomputation makes: saved
         # tensors stay with the refill until backward unpacks them, the others die as in forward.
         self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)
                       for s in graph.storages if s.producer < stop]
         self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
-        copy = 2 * overheads.copy_per_byte
-        self.gain = {i: graph.nodes[i].kernel_time - copy * graph.copied_bytes(i) for i in graph.keepable}
 
     def recompute_peak(self, kept: set[int]) -> int:
         """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
@@ -130,10 +122,7 @@ class _CostModel:
             raise ValueError(f"remat: nodes {sorted(set(kept) - self.keepable)} cannot be kept; choose from "
                              "graph.keepable.")
         nodes = graph.nodes
-        if mode == "checkpoint":
-            time = self.checkpoint_time
-        else:
-            time = self.selective_time - sum(self.gain[i] for i in kept)
+        time = self.prices.time(mode, kept)
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
         peak = self.recompute_peak(set(kept))
         return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,

@@ -21,10 +21,13 @@ For each operator the block dispatches, an :class:`OpNode` holds:
   reads the block's inputs, and whose storages it writes in place (``writes``);
 * whether a later in-place op writes one of its storages: then its output
   cannot be kept (the kept value would change under the policy);
-* its time: kernel time and its share of the forward's wall time (the
-  Python, autograd and dispatcher work around the kernel), medians of several
-  runs; on the meta device, or with ``timing="estimate"``, the larger of
-  FLOPs / ``throughput`` and bytes moved / ``bandwidth``.
+* its time, medians of several runs (:func:`remat.planning.timing.time_ops`):
+  ``kernel_time`` on the device (events on an accelerator), ``host_time``
+  (the Python, autograd and dispatcher work around it) and ``wall_time``,
+  what it adds to a run — the sum on the CPU, the larger on an accelerator
+  whose host runs ahead (``BlockGraph.asynchronous``); on the meta device, or
+  with ``timing="estimate"``, the larger of FLOPs / ``throughput`` and bytes
+  moved / ``bandwidth``, all of it kernel time.
 
 ``saved_tensors`` counts what autograd saves (parameters included), and
 ``saved_needing_grad`` those that require grad: a recomputation detaches each
@@ -41,11 +44,8 @@ only one of them is timed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import statistics
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,6 +63,7 @@ from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import candidate_modules
 from .overheads import Overheads, measure_overheads
+from .timing import Clock, OpTimes, device_type_of, time_ops
 from .units import format_bytes
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
@@ -86,6 +87,7 @@ class OpNode:
     mutated: bool
     kernel_time: float = 0.0
     wall_time: float = 0.0
+    host_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class BlockGraph:
     forward_time: float
     estimated: bool
     overheads: Overheads
+    asynchronous: bool = False
 
     @property
     def keep_all_bytes(self) -> int:
@@ -340,109 +343,26 @@ def _died(record: _BlockRecord, life: _Life) -> None:
         life.dies = record.ops
 
 
-class _Stopwatch(TorchDispatchMode):
-    """Kernel time of every op and the time since the previous op returned (Python, autograd, dispatcher)."""
+def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
+    """Per-op device and host times of the block's forward on its own device, and a selective policy's cost.
 
-    def __init__(self, n: int, sync: Callable[[], None]) -> None:
-        super().__init__()
-        self.kernel = [0.0] * n
-        self.gap = [0.0] * n
-        self.count = 0
-        self.last = 0.0
-        self.sync = sync
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        sync = self.sync
-        sync()
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        sync()
-        end = time.perf_counter()
-        i = self.count
-        if i < len(self.kernel):
-            self.kernel[i] = end - start
-            self.gap[i] = start - self.last
-        self.count = i + 1
-        self.last = end
-        return out
-
-
-def _synchronizer(record: _BlockRecord) -> Callable[[], None]:
-    devices = {t.device.type for t in _tensors((record.args, record.kwargs))}
-    accelerator = next((d for d in devices if d not in ("cpu", "meta")), None)
-    if accelerator is None:
-        return lambda: None
-    return getattr(torch, accelerator).synchronize
-
-
-@dataclass
-class _Timing:
-    kernel: list[float]
-    wall: list[float]
-    forward: float
-    policy_forward: float
-    policy_replay: float
-
-
-def _time_block(record: _BlockRecord, n: int, repeats: int) -> _Timing:
-    """Per-op kernel and wall times, the plain forward, and a selective policy's cost per op on this block.
-
-    Each round runs the block plain, under the stopwatch, and under the stopwatch beneath a keep-nothing
-    policy's forward and replay modes.  The policy's cost is the growth of the per-op gaps between kernels
-    (medians per op), measured on the block itself: between kernels that stream megabytes through the
-    caches the same Python work costs more than on tiny tensors (2-4x for the demo GPT block here), and
-    comparing gaps rather than whole runs leaves out the kernels' much larger noise on a busy machine.
+    Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     """
     module, args, kwargs = record.module, record.args, record.kwargs
-    sync = _synchronizer(record)
-    plain: list[float] = []
-    kernels: list[list[float]] = []
-    gaps: dict[str, list[list[float]]] = {"alone": [], "recorder": [], "replayer": []}
+    clock = Clock(device_type_of(_tensors((args, kwargs, list(module.parameters())))))
+
+    def keep_nothing() -> tuple[Any, Any]:
+        return create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
+
     held = _Held()
 
-    def watched(label: str, context: Any, round_index: int) -> None:
-        watch = _Stopwatch(n, sync)
-        with watch, context:  # the policy's mode on top: the stopwatch sees only the kernel calls
-            watch.last = time.perf_counter()
-            module(*args, **kwargs)
-        held.clear()
-        if watch.count != n:
-            raise RuntimeError(
-                f"remat.profile_ops: {record.name} ran {watch.count} ops when timed but {n} when profiled; its "
-                "forward must run the same ops on the same inputs (data-dependent control flow is not supported)."
-            )
-        if round_index:  # the first round warms up
-            kernels.append(watch.kernel)
-            gaps[label].append(watch.gap)
+    def forward() -> None:
+        module(*args, **kwargs)
+        held.clear()  # no backward runs here: drop what autograd saved (see _Held)
 
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
-        for round_index in range(repeats + 1):
-            sync()
-            start = time.perf_counter()
-            module(*args, **kwargs)
-            sync()
-            if round_index:
-                plain.append(time.perf_counter() - start)
-            held.clear()
-            watched("alone", contextlib.nullcontext(), round_index)
-            # A policy with nothing to keep runs every op in replay too, so every op is timed three times.
-            recorder, replayer = create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
-            watched("recorder", recorder, round_index)
-            watched("replayer", replayer, round_index)
-    kernel = [statistics.median(column) for column in zip(*kernels)]
-    gap = {label: [statistics.median(column) for column in zip(*rows)] for label, rows in gaps.items()}
-    forward = statistics.median(plain)
-    # The stopwatch slows what it watches (its Python work between ops evicts caches): scale its figures so
-    # an op's wall time (kernel and the gap before it) adds up to the plain forward.
-    total = sum(kernel) + sum(gap["alone"])
-    scale = forward / total if total > 0 else 0.0
-
-    def per_op(label: str) -> float:
-        return max(sum(gap[label]) - sum(gap["alone"]), 0.0) * scale / n
-
-    return _Timing([k * scale for k in kernel], [(k + g) * scale for k, g in zip(kernel, gap["alone"])], forward,
-                   per_op("recorder"), per_op("replayer"))
+        return time_ops(forward, n, clock, repeats, keep_nothing, record.name)
 
 
 def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
@@ -568,7 +488,7 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             if overheads is None:
-                overheads = measure_overheads()
+                overheads = measure_overheads(device=device_type_of(tensors))
                 if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                     overheads = replace(overheads, copy_per_byte=2 / bandwidth)
             graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
@@ -591,9 +511,10 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
         if shared is None:
             if not estimated:
                 timing = _time_block(record, len(graph.nodes), repeats)
-                graph.nodes = [replace(n, kernel_time=k, wall_time=w)
-                               for n, k, w in zip(graph.nodes, timing.kernel, timing.wall)]
+                graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
+                               for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
                 graph.forward_time = timing.forward
+                graph.asynchronous = timing.asynchronous
                 if measure_policy:
                     graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
                                               policy_replay=timing.policy_replay)

@@ -1,14 +1,15 @@
-"""The machinery's own price: host time per operator under a policy, and per byte copied.
+"""The machinery's own price: host time per region, saved tensor and operator under a policy; per byte copied.
 
-Measured once per process on small tensors, where the dispatch cost shows; op-level fronts add it to the
-kernel time of each op a policy sees.
+The machinery is Python on the host: its costs are measured once per process on chains of tiny CPU ops,
+where the dispatch cost shows (the CPU's clock is the host's).  Copies run on the model's device and are
+timed there (:class:`~remat.planning.timing.Clock`).  The price model
+(:mod:`remat.planning.prices`) adds the host costs where the device waits for them.
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from ..api.checkpoint import checkpoint
 from .blockpolicy import BlockPolicy, OpDecision
+from .timing import Clock
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,8 @@ class Overheads:
     replay); ``per_saved``: per tensor autograd saves inside a region
     (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
     op dispatched under a selective policy in forward / in recomputation;
-    ``copy_per_byte``: per byte of one device copy (a kept random in-place op
-    is copied in forward and copied back in recomputation).
+    ``copy_per_byte``: per byte of one copy on the model's device (a kept
+    random in-place op is copied in forward and copied back in recomputation).
     """
 
     region: float
@@ -45,14 +47,14 @@ def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @functools.cache
-def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20) -> Overheads:
-    """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per process).
+def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20, device: str = "cpu") -> Overheads:
+    """Measure :class:`Overheads` on chains of tiny ops (medians of interleaved rounds; cached per device).
 
     The per-op policy figures are a floor: between ops that stream megabytes
     through the caches the same Python work costs more (2-4x for the demo GPT
     block here), so :func:`~remat.planning.opgraph.profile_ops` measures them again on
-    each block it times.  ``copy_per_byte`` is the time of cloning a
-    ``copy_bytes`` CPU tensor, per byte.
+    each block it times.  ``copy_per_byte`` is the device time of cloning a
+    ``copy_bytes`` tensor on ``device`` (the model's: ``"cpu"``, ``"cuda"``), per byte.
 
     Example:
         >>> measure_overheads().policy_forward  # seconds per op, some microseconds
@@ -62,15 +64,19 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
     # A policy whose table holds the op (so every call is counted) but keeps no call of it.
     probe = BlockPolicy("selective", [OpDecision(str(sin), ops + 1, 0, "keep")])
 
+    clock = Clock("cpu")  # the host's machinery on CPU tensors: host time is device time
+
     def under_policy() -> tuple[float, float]:
         forward, recompute = probe.context_fn()
-        start = time.perf_counter()
+        start = clock.mark()
         with forward:
             _chain(x, ops)
-        middle = time.perf_counter()
+        middle = clock.mark()
         with recompute:
             _chain(x, ops)
-        return middle - start, time.perf_counter() - middle
+        end = clock.mark()
+        times = clock.read()
+        return times[middle] - times[start], times[end] - times[middle]
 
     steps: dict[str, Callable[[], Any]] = {
         "forward": lambda: _chain(x, ops),
@@ -79,15 +85,14 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         "long": lambda: _chain(x, ops).sum().backward(),
         "long_ckpt": lambda: checkpoint(_chain, x, ops).sum().backward(),
     }
-    block = torch.ones(copy_bytes // 4)
-    steps["copy"] = block.clone
-    samples: dict[str, list[float]] = {label: [] for label in (*steps, "recorder", "replayer")}
+    block = torch.ones(copy_bytes // 4, device=device)
+    copy_clock = Clock(device)
+    samples: dict[str, list[float]] = {label: [] for label in (*steps, "copy", "recorder", "replayer")}
     with torch.random.fork_rng(devices=[]):
         for _ in range(rounds):
             for label, step in steps.items():
-                start = time.perf_counter()
-                step()
-                samples[label].append(time.perf_counter() - start)
+                samples[label].append(clock.time(step)[1])
+            samples["copy"].append(copy_clock.time(block.clone)[1])
             recorded, replayed = under_policy()
             samples["recorder"].append(recorded)
             samples["replayer"].append(replayed)

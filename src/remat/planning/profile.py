@@ -5,9 +5,9 @@ candidate block (by default the model's natural repeated blocks, see :mod:`remat
 
 * the bytes of activations it keeps for backward, its input and output bytes, and the bytes a
   ``save_matmuls`` policy would keep;
-* its forward time (median of repeated, interleaved timings; blocks of identical shape share one figure
-  so that equal blocks tie exactly), and the measured extra time of checkpointing it and of checkpointing
-  it with ``save_matmuls`` (each option's own dispatch overhead included);
+* its forward time and the extra step time of checkpointing it and of checkpointing it with
+  ``save_matmuls``, priced from its op graph (:mod:`remat.planning.prices`: per-op device and host times,
+  the machinery's measured overheads); blocks with one graph share one price, so equal blocks tie exactly;
 * a memory *timeline*: the peak of live bytes in every segment of the step (each block's forward, each
   block's backward, the stretches between), and the live bytes when each segment starts;
 * exact accounting of every tensor storage a plan could change: who saves it for backward, which blocks
@@ -26,21 +26,20 @@ stop ends it there), on top of the live bytes at the start of that block's backw
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..engine.replay import tensor_leaves
 from .discovery import candidate_modules
+from .opgraph import OpProfile, profile_ops
+from .prices import BlockPrices
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
+from .timing import Clock, device_type_of
 from .units import format_bytes
-
-if TYPE_CHECKING:
-    from .opgraph import OpProfile
 
 __all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure", "resolve_blocks"]
 
@@ -176,6 +175,8 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
             ) -> StepProfile:
     """Measure training steps of ``model`` for the ``blocks`` (see :func:`remat.profile` for the arguments).
 
+    The result's ``ops`` holds the blocks' op graphs, from which the options are priced.
+
     Example:
         >>> measured = measure(model, (tokens,), {}, resolve_blocks(model, None), loss, None, 100e12, 5)
     """
@@ -184,139 +185,69 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
 
     inputs = list(tensor_leaves((example_inputs, example_kwargs)))
     if device == "meta":
-        return _profile_on_meta(model, step, inputs, blocks, throughput)
-    return _profile_measured(model, example_inputs, example_kwargs, blocks, step, loss_fn, inputs, repeats)
+        prof = _profile_on_meta(model, step, inputs, blocks, throughput)
+    else:
+        prof = _profile_measured(model, example_inputs, example_kwargs, blocks, step, loss_fn, inputs, repeats)
+    if prof.ops is None:
+        prof.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
+                               throughput=throughput, **example_kwargs)
+    return prof
+
+
+_STEP_ROUNDS = 3  # timed plain steps for the step time; per-op times come from the op graphs' rounds
 
 
 def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
                       blocks: list[tuple[str, nn.Module]], step: Callable[[], torch.Tensor],
-                      loss_fn: Callable[[Any], torch.Tensor], inputs: list[torch.Tensor], repeats: int) -> StepProfile:
+                      loss_fn: Callable[[Any], torch.Tensor], inputs: list[torch.Tensor], repeats: int
+                      ) -> StepProfile:
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
     try:
         for p in params:
             p.grad = None
-        output = model(*example_inputs, **example_kwargs)
+        output = model(*example_inputs, **example_kwargs)  # also warms up the timed steps
         _refuse_kv_cache(output)
-        loss_fn(output).backward()
+        step_loss = loss_fn(output)
         del output
-        for p in params:
-            p.grad = None
-        times, step_time = _time_options(model, blocks, step, repeats)
+        step_loss.backward()
+        del step_loss
+        step_time = _time_steps(model, step, min(repeats, _STEP_ROUNDS), params)
         traced = _trace(model, step, inputs, blocks)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
+    ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
+                      **example_kwargs)
     timeline, probe, meter, grad_bytes = traced
-    forward_time = [plain for plain, _, _ in times]
-    # The instrumented pass slows every op; only the matmul *share* of its time is trusted.
-    matmul_time = [min(meter.time[i] / probe.seconds[i], 1.0) * forward_time[i] if probe.seconds[i] > 0 else 0.0
-                   for i in range(len(blocks))]
-    # On a busy machine a variant's step can time no slower than the plain one: a rerun still costs at least
-    # the forward it repeats (without the matmuls, for save_matmuls).
-    checkpoint_time = [max(checkpointed, forward_time[i]) for i, (_, checkpointed, _) in enumerate(times)]
-    selective_time = [max(selective, forward_time[i] - matmul_time[i]) for i, (_, _, selective) in enumerate(times)]
-    return _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, matmul_time,
-                     checkpoint_time, selective_time, step_time, str(params[0].device) if params else "cpu")
-
-
-def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """Blocks with equal signatures compute the same thing on the same shapes: their timings are pooled."""
-    shapes = tuple((tuple(t.shape), t.dtype) for t in tensor_leaves((args, kwargs)))
-    return type(module), shapes, tuple(tuple(p.shape) for p in module.parameters())
-
-
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
-def _time_options(model: nn.Module, blocks: list[tuple[str, nn.Module]], step: Callable[[], torch.Tensor],
-                  repeats: int) -> tuple[list[tuple[float, float, float]], float]:
-    """Per block: its forward seconds, and the extra step seconds of checkpointing it, plain or save_matmuls.
-    Also the median step time without checkpointing.
-
-    Whole training steps with no block wrapped, every block checkpointed, and every block checkpointed with
-    ``save_matmuls``, interleaved round by round after a warm-up round; medians.  A variant's extra step
-    time (its recomputations and every overhead it brings: the wrapper, the policy's dispatch) is shared
-    among the blocks in proportion to their forward time under it.  Blocks with one signature share the
-    median of their pooled timings, so equal blocks tie exactly.  A variant that fails on this model (a
-    policy meeting an output mutated in place) is priced at infinity.
-    """
-    from ..api.modules import checkpoint_wrapper
-    from ..policies.rules import save_matmuls
-
-    wrappers: dict[str, Callable[[nn.Module], nn.Module] | None] = {
-        "plain": None,
-        "checkpoint": checkpoint_wrapper,
-        "save_matmuls": lambda m: checkpoint_wrapper(m, policy=save_matmuls),
-    }
     n = len(blocks)
-    forward = {variant: [[] for _ in range(n)] for variant in wrappers}
-    steps: dict[str, list[float]] = {variant: [] for variant in wrappers}
-    signatures: list[Any] = [None] * n
-    failed: set[str] = set()
-    for round_index in range(repeats + 1):
-        for variant, wrap in wrappers.items():
-            if variant in failed:
-                continue
-            timed = [m if wrap is None else wrap(m) for _, m in blocks]
-            started = [0.0] * n
-            elapsed = [0.0] * n
-            handles = []
-            for i, module in enumerate(timed):
-                def pre(module, args, kwargs, i=i, started=started):
-                    if signatures[i] is None:
-                        signatures[i] = _signature(module, args, kwargs)
-                    started[i] = time.perf_counter()
-
-                def post(module, args, kwargs, output, i=i, started=started, elapsed=elapsed):
-                    elapsed[i] += time.perf_counter() - started[i]
-
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(module.register_forward_hook(post, with_kwargs=True))
-                if wrap is not None:
-                    _swap(model, blocks[i][0], module)
-            try:
-                begin = time.perf_counter()
-                step().backward()
-                took = time.perf_counter() - begin
-            except Exception:
-                if wrap is None:
-                    raise
-                failed.add(variant)
-                continue
-            finally:
-                model.zero_grad(set_to_none=True)
-                for h in handles:
-                    h.remove()
-                if wrap is not None:
-                    for name, module in blocks:
-                        _swap(model, name, module)
-            if round_index:  # the first round warms up
-                steps[variant].append(took)
-                for i in range(n):
-                    forward[variant][i].append(elapsed[i])
-    groups: dict[Any, list[int]] = {}
-    for i, signature in enumerate(signatures):
-        groups.setdefault(signature if signature is not None else i, []).append(i)
-    medians = {variant: [0.0] * n for variant in wrappers}
-    for variant in set(wrappers) - failed:
-        for members in groups.values():
-            value = statistics.median(x for i in members for x in forward[variant][i])
-            for i in members:
-                medians[variant][i] = value
-    base = statistics.median(steps["plain"])
-    extra: dict[str, list[float]] = {}
-    for variant in ("checkpoint", "save_matmuls"):
-        if variant in failed:
-            extra[variant] = [float("inf")] * n
+    forward_time, matmul_time, checkpoint_time, selective_time = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    for i, (name, _) in enumerate(blocks):
+        graph = ops.blocks.get(name)
+        if graph is None:  # the block did not run: nothing to recompute
             continue
-        # differences within a round (the variants ran back to back) cancel the machine's slow drifts
-        total = max(statistics.median(v - p for v, p in zip(steps[variant], steps["plain"])), 0.0)
-        weight = sum(medians[variant]) or 1.0
-        extra[variant] = [total * t / weight for t in medians[variant]]
-    return [(medians["plain"][i], extra["checkpoint"][i], extra["save_matmuls"][i]) for i in range(n)], base
+        prices = BlockPrices(graph)
+        forward_time[i], matmul_time[i] = graph.forward_time, prices.matmul_time
+        checkpoint_time[i] = prices.time("checkpoint")
+        # A matmul output modified after the block's forward cannot be kept: save_matmuls fails on it.
+        selective_time[i] = float("inf") if meter.mutated_later[i] else prices.time("selective",
+                                                                                   prices.matmul_nodes())
+    prof = _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, matmul_time,
+                     checkpoint_time, selective_time, step_time, str(params[0].device) if params else "cpu")
+    prof.ops = ops
+    return prof
+
+
+def _time_steps(model: nn.Module, step: Callable[[], torch.Tensor], rounds: int, params: list[nn.Parameter]
+                ) -> float:
+    """The median device seconds of ``rounds`` training steps without checkpointing (one synchronize each)."""
+    clock = Clock(device_type_of(params))
+    times = []
+    for _ in range(rounds):
+        times.append(clock.time(lambda: step().backward())[1])
+        for p in params:
+            p.grad = None
+    return statistics.median(times)
 
 
 def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],

@@ -7,7 +7,6 @@ blocks' inputs and outputs, and a saved-tensor hook records which block saves wh
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -21,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..engine.replay import tensor_leaves
 from ..policies.rules import MATMUL_OPS
+from .opgraph import _op_info
 
 
 @dataclass
@@ -119,9 +119,7 @@ class _Probe:
         self.output_bytes = [0] * n
         self.forward_start = [0] * n
         self.last_save_peak = [0] * n  # the forward's peak when it saved its last tensor (where early stop ends)
-        self.seconds = [0.0] * n
         self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
-        self.started = 0.0
         self.current: int | None = None
         self.last_backward: int | None = None
         self.in_forward = True
@@ -148,11 +146,9 @@ class _Probe:
             if id(record) not in seen:
                 seen.add(id(record))
                 self.input_bytes[i] += record.nbytes
-        self.started = time.perf_counter()
 
     def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         i = self.index[id(module)]
-        self.seconds[i] += time.perf_counter() - self.started
         self.current = None
         self.timeline.mark(f"forward {i}")
         outs = list(tensor_leaves(output))
@@ -189,30 +185,47 @@ class _Probe:
 
 
 class _MatmulMeter(TorchDispatchMode):
-    """Bytes of matmul-like outputs and the time spent in matmul-like ops, per block."""
+    """Per block: its matmul-like outputs, and whether one is written in place after the block's forward.
+
+    ``save_matmuls`` keeps those outputs; one modified after forward would make its recomputation fail
+    (the kept value is no longer what the gradients need), so that block cannot take the option.
+    """
 
     def __init__(self, probe: _Probe) -> None:
         super().__init__()
         self.probe = probe
         n = len(probe.blocks)
-        self.time = [0.0] * n
         self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
+        self.mutated_later = [False] * n
+        self._owner: dict[_Storage, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         i = self.probe.current
-        if i is None or func not in MATMUL_OPS:
-            return func(*args, **(kwargs or {}))
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        self.time[i] += time.perf_counter() - start
-        for t in tensor_leaves(out):
-            self.outputs[i].add(self.probe.timeline.track(t))
+        written = _op_info(func)[2]
+        if written and self._owner:
+            storages = self.probe.timeline.storages
+            for position, name in written:
+                target = args[position] if position < len(args) else kwargs.get(name)
+                for t in tensor_leaves(target):
+                    owner = self._owner.get(storages.get(t.untyped_storage()))
+                    if owner is not None and owner != i:
+                        self.mutated_later[owner] = True
+        if i is not None and func in MATMUL_OPS:
+            for t in tensor_leaves(out):
+                record = self.probe.timeline.track(t)
+                self.outputs[i].add(record)
+                self._owner[record] = i
         return out
 
 
 def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
            blocks: list[tuple[str, nn.Module]], *modes: Any) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
-    """One instrumented step: the memory timeline, who saves and takes which storage, matmul outputs."""
+    """One instrumented step: the memory timeline, who saves and takes which storage, matmul outputs.
+
+    Nothing is timed here: the dispatch modes slow every op (times come from the op graphs).
+    """
     params = list(model.parameters())
     # The example inputs exist before the step and are not counted, as MemTracker does not see them.
     timeline = _Timeline([*params, *model.buffers()], uncounted=inputs)

@@ -19,7 +19,6 @@ from torch import nn
 from ..api.modules import ActivationWrapper
 from .kvcache import cache_off
 from .metadata import MetaData, NeedsRealData
-from .opgraph import profile_ops
 from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure, resolve_blocks
@@ -112,8 +111,6 @@ def profile(
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
                                throughput, repeats)
-            op_graphs = profile_ops(model, *example_inputs, modules=names, repeats=repeats, throughput=throughput,
-                                    **kwargs) if ops else None
         except (RuntimeError, NotImplementedError) as error:
             if on_meta is None or "meta" not in str(error).lower():
                 raise
@@ -124,7 +121,8 @@ def profile(
                 "batch or sequence (activation bytes scale with them).") from error
     result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)},
                      model_meta=describe_model(model, names))
-    result.ops = op_graphs
+    if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
+        result.ops = None
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")

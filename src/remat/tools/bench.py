@@ -6,8 +6,10 @@ Run by hand (never in CI as a timed test):
     remat bench --cases tiny --repeats 21    # (or: python benchmarks/run.py ...)
 
 Each case builds one model and times a full training step (forward + backward)
-under every variant, interleaved round-robin so that machine noise hits all
-variants alike; warm-up rounds are excluded and the median of ``--repeats``
+under every variant on the device's clock (CUDA events on a GPU, the CPU's
+clock on the CPU: see :mod:`remat.planning.timing`), interleaved round-robin so
+that machine noise hits all variants alike; warm-up rounds are excluded and the
+median of ``--repeats``
 rounds is reported with its spread (interquartile range).  Peak memory is
 MemTracker's whole-step peak minus parameters and buffers, measured once per
 variant (bytes are deterministic).
@@ -20,7 +22,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from torch import nn
 from ..api.checkpoint import checkpoint
 from ..models import Block, GPTConfig
 from ..planning.memory import measure_step
+from ..planning.timing import Clock, device_type_of
 
 __all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
 
@@ -140,48 +142,51 @@ def _step(case: Case, wrap: Wrap, x: torch.Tensor) -> None:
     h.float().pow(2).mean().backward()
 
 
-def _time_round(case: Case, wrap: Wrap) -> float:
+def _time_round(case: Case, wrap: Wrap, clock: Clock) -> float:
     x = case.make_input()
     case.blocks.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    _step(case, wrap, x)
-    return time.perf_counter() - start
+    return clock.time(lambda: _step(case, wrap, x))[1]
 
 
-def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
-                       ) -> list[dict[str, float]]:
-    """Seconds each step took, round by round: every step once per round, the order rotated each round.
+def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+                       device: str = "cpu") -> list[dict[str, float]]:
+    """Device seconds each step took, round by round: every step once per round, the order rotated.
 
-    Rounds are seeded (``torch.manual_seed(round)``) so every step sees the same dropout masks in a round;
-    the ``warmup`` first rounds are run and dropped.  Pair steps within a round (``r[a] / r[b]``) to cancel
-    the machine's slow drifts.
+    Times are taken on ``device``'s clock (:class:`~remat.planning.timing.Clock`: events on an
+    accelerator, read after one synchronize per round; the CPU's clock on the CPU).  Rounds are seeded
+    (``torch.manual_seed(round)``) so every step sees the same dropout masks in a round; the ``warmup``
+    first rounds are run and dropped.  Pair steps within a round (``r[a] / r[b]``) to cancel the machine's
+    slow drifts.
 
     Example:
         >>> times = interleaved_rounds({"plain": lambda: step(model), "ckpt": lambda: step(wrapped)}, 11)
         >>> statistics.median(r["ckpt"] / r["plain"] for r in times)
     """
     labels = list(steps)
+    clock = Clock(device)
     result = []
     for round_index in range(warmup + rounds):
         shift = round_index % len(labels)
-        this_round = {}
+        marks = {}
         for label in labels[shift:] + labels[:shift]:
             torch.manual_seed(round_index)
-            start = time.perf_counter()
+            start = clock.mark()
             steps[label]()
-            this_round[label] = time.perf_counter() - start
+            marks[label] = start, clock.mark()
+        times = clock.read()
         if round_index >= warmup:
-            result.append(this_round)
+            result.append({label: times[end] - times[start] for label, (start, end) in marks.items()})
     return result
 
 
 def run_case(case: Case, variants: list[str], repeats: int, warmup: int) -> dict:
     times: dict[str, list[float]] = {v: [] for v in variants}
+    clock = Clock(device_type_of(case.blocks.parameters()))
     for round_index in range(warmup + repeats):
         # rotate the order each round so no variant always runs first
         order = variants[round_index % len(variants):] + variants[: round_index % len(variants)]
         for variant in order:
-            elapsed = _time_round(case, VARIANTS[variant])
+            elapsed = _time_round(case, VARIANTS[variant], clock)
             if round_index >= warmup:
                 times[variant].append(elapsed)
     result = {"description": case.description, "variants": {}}

@@ -1,0 +1,112 @@
+"""What rerunning a block costs in time, from its op graph: the one price model of the profile and the fronts.
+
+A block's op graph (:mod:`remat.planning.opgraph`) holds, per op, its device time (``kernel_time``), the
+host time around it (``host_time``: Python, autograd, the dispatcher) and what it adds to a run
+(``wall_time``, the two combined by :func:`remat.planning.timing.op_cost`: summed on the CPU, the larger
+of the two on an accelerator, whose host runs ahead).
+
+=============  ================================================================================
+mode           extra time per step
+=============  ================================================================================
+``checkpoint`` region + saved tensors × per_saved + wall time of the first ``stop`` ops
+``selective``  checkpoint's + the policy's host work where the device waits for it − Σ gains
+=============  ================================================================================
+
+A selective policy adds host work to every op of the forward (``policy_forward``) and to every op of the
+recomputation (``policy_replay``, and a detach per rebuilt tensor that requires grad); an op then costs
+``op_cost(host + policy, device)``, so on an accelerator the policy's work is hidden behind kernels longer
+than it.  Keeping op ``i`` spares its kernel: the replay still dispatches it (host work) but serves the
+output, a gain of ``op_cost(host + policy_replay, device) − (host + policy_replay)`` — the kernel time
+on the CPU — less the two copies of a random in-place op kept by value (forward's and the replay's).
+
+Near-ties between outputs of equal size are made exact (:data:`TIE`), so that which of them a plan keeps
+does not follow timing noise from one process to the next.
+
+``save_matmuls`` is the selective point that keeps every matmul-like output (:data:`MATMUL_OPS`).
+
+Example:
+    >>> prices = BlockPrices(graph)
+    >>> prices.time("checkpoint"), prices.time("selective", prices.matmul_nodes())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..policies.rules import MATMUL_OPS
+from .opgraph import BlockGraph
+from .timing import op_cost
+
+__all__ = ["BlockPrices"]
+
+_MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
+
+
+class BlockPrices:
+    """The time side of one graph's cost model, with what every price shares computed once.
+
+    ``checkpoint_time`` / ``selective_time`` (nothing kept) are extra seconds per step; ``gain[i]`` what
+    keeping keepable node ``i`` spares; ``matmul_time`` the device seconds of the matmul-like ops.
+    """
+
+    def __init__(self, graph: BlockGraph) -> None:
+        self.graph = graph
+        nodes, stop, overheads = graph.nodes, graph.stop, graph.overheads
+        overlapped = graph.asynchronous
+
+        def policy_work(node_list: Iterable, per_op: float) -> float:
+            return sum(op_cost(n.host_time + per_op, n.kernel_time, overlapped)
+                       - op_cost(n.host_time, n.kernel_time, overlapped) for n in node_list)
+
+        self.checkpoint_time = (overheads.region + overheads.per_saved * graph.saved_tensors
+                                + sum(n.wall_time for n in nodes[:stop]))
+        # The replay also dispatches the detach of every rebuilt tensor that requires grad (host work only).
+        self.selective_time = (self.checkpoint_time + policy_work(nodes, overheads.policy_forward)
+                               + policy_work(nodes[:stop], overheads.policy_replay)
+                               + overheads.policy_replay * graph.saved_needing_grad)
+        self.matmul_time = sum(n.kernel_time for n in nodes if n.op in _MATMUL_NAMES)
+        copy = 2 * overheads.copy_per_byte
+        gain = {}
+        for i in graph.keepable:
+            host = nodes[i].host_time + overheads.policy_replay
+            gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
+        self.gain = _tied(gain, {i: nodes[i].out_bytes for i in gain})
+
+    def time(self, mode: str, kept: Iterable[int] = ()) -> float:
+        """Extra seconds per step of running the block in ``mode`` (``keep``, ``checkpoint``, ``selective``)."""
+        if mode == "keep":
+            return 0.0
+        if mode == "checkpoint":
+            return self.checkpoint_time
+        return self.selective_time - sum(self.gain[i] for i in kept)
+
+    def matmul_nodes(self) -> tuple[int, ...]:
+        """The keepable nodes ``save_matmuls`` keeps: the outputs of matmul-like ops."""
+        return tuple(i for i in self.graph.keepable if self.graph.nodes[i].op in _MATMUL_NAMES)
+
+
+TIE = 0.25
+
+
+def _tied(gain: dict[int, float], nbytes: dict[int, int]) -> dict[int, float]:
+    """``gain`` with near-ties made exact: nodes of equal bytes whose gains lie within ``TIE`` of the next
+    (a chain, in order of gain) share the chain's mean gain.
+
+    Which of two same-sized outputs to keep is then decided by their order in the block, not by timing
+    noise of a few percent between fresh processes; the plan gives up at most ``TIE`` of one op's gain.
+    """
+    by_bytes: dict[int, list[int]] = {}
+    for i in sorted(gain, key=lambda i: (gain[i], i)):
+        by_bytes.setdefault(nbytes[i], []).append(i)
+    tied = dict(gain)
+    for members in by_bytes.values():
+        chain = [members[0]]
+        for i in [*members[1:], None]:
+            if i is not None and gain[i] - gain[chain[-1]] <= TIE * max(abs(gain[i]), abs(gain[chain[-1]])):
+                chain.append(i)
+                continue
+            mean = sum(gain[j] for j in chain) / len(chain)
+            tied.update((j, mean) for j in chain)
+            if i is not None:
+                chain = [i]
+    return tied

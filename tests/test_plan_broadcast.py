@@ -1,0 +1,39 @@
+"""One plan for every rank: remat.broadcast_plan under torchrun with two CPU processes (gloo)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+import remat
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def test_every_rank_applies_rank_zeros_plan(tmp_path):
+    report = tmp_path / "report.json"
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    worker = os.path.join(os.path.dirname(__file__), "broadcast_worker.py")
+    out = subprocess.run(
+        [*command, "--standalone", "--nproc_per_node", "2", worker, str(report)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    ranks = json.loads(report.read_text())
+    assert len(ranks) == 2 and ranks[0] == ranks[1]
+    assert ranks[0]["decisions"] == {"0": "checkpoint", "1": "keep", "2": "selective"}  # rank 0's own
+    assert ranks[0]["again"] == ranks[0]["decisions"]
+    assert ranks[0]["policies"]["2"]["ops"][0]["decision"] == "keep"
+    assert ranks[0]["wrapped"] == ["0", "2"]
+
+
+def test_without_a_process_group_the_plan_is_its_own():
+    plan = remat.Plan({"a": "checkpoint"}, 1, 0.0, 1, 1, 0)
+    assert remat.broadcast_plan(plan) is plan
+    with pytest.raises(ValueError, match="no plan to broadcast"):
+        remat.broadcast_plan(None)
