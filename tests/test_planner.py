@@ -177,7 +177,8 @@ def test_plan_is_the_exhaustive_optimum_and_beats_every_k(seed):
             uniform = ["checkpoint" if i % k == 0 else "keep" for i in range(n)]
             if predict_peak(prof, uniform, allow) <= budget:
                 uniform_cost = sum(r.checkpoint_time for r, d in zip(prof.rows, uniform) if d == "checkpoint")
-                assert plan.predicted_extra_time <= uniform_cost + 1e-12
+                # option prices sit on a grid of 2**-32 s (options.py): each block's may round up half a step
+                assert plan.predicted_extra_time <= uniform_cost + n * 2.0**-33
 
 
 def test_two_hundred_modules_plan_within_budget():
