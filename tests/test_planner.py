@@ -170,7 +170,7 @@ def test_plan_is_the_exhaustive_optimum_and_beats_every_k(seed):
             uniform = ["checkpoint" if i % k == 0 else "keep" for i in range(n)]
             if predict_peak(prof, uniform, allow) <= budget:
                 uniform_cost = sum(r.checkpoint_time for r, d in zip(prof.rows, uniform) if d == "checkpoint")
-                assert plan.predicted_extra_time <= uniform_cost + 1e-12
+                assert plan.predicted_extra_time <= uniform_cost + n * 2**-33  # options' prices lie on a 2**-32 s grid
 
 
 def test_two_hundred_modules_plan_within_budget():

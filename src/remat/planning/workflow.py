@@ -58,9 +58,9 @@ def profile(
 
     ``loss_fn(output)`` turns the output into a scalar (default: the output's ``.loss``, as Hugging Face
     models return when given ``labels=``, or the sum of its floating tensors).  Gradients are left as they
-    were before the call.  Forward times are the median of ``repeats`` interleaved timings.  ``ops=True``
-    also records each block's op graph (:func:`remat.profile_ops`, one more forward) into ``.ops``, from
-    which plans draw their op-level ``selective`` options.
+    were before the call.  Times are on the device's clock, medians over ``repeats`` rounds, and every
+    option is priced from each block's op graph (:func:`remat.profile_ops`); ``ops=True`` keeps the graphs
+    in ``.ops``, from which plans draw their op-level ``selective`` options.
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
     (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
