@@ -288,8 +288,10 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
 
 
 def _median_shares(rows: list[list[float]]) -> list[float]:
-    """Per column, the median over rows of its share of the row's sum."""
+    """Per column, the median over rows of its share of the row's sum (normalized to add up to 1)."""
     shares = [[x / total for x in row] for row in rows if (total := sum(row)) > 0]
     if not shares:
         return [0.0] * (len(rows[0]) if rows else 0)
-    return [statistics.median(column) for column in zip(*shares)]
+    medians = [statistics.median(column) for column in zip(*shares)]
+    total = sum(medians)
+    return [m / total for m in medians] if total > 0 else medians

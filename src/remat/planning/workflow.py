@@ -82,9 +82,9 @@ def profile(
 
     ``loss_fn(output)`` turns the output into a scalar (default: the output's ``.loss``, as Hugging Face
     models return when given ``labels=``, or else the sum of its floating tensors, with a
-    :class:`SummedLossWarning`).  Gradients are left as they were before the call.  Forward times are the
-    median of ``repeats`` interleaved timings.  ``ops=True`` also records each block's op graph
-    (:func:`remat.profile_ops`, one more forward) into ``.ops``, from which plans draw their op-level
+    :class:`SummedLossWarning`).  Gradients are left as they were before the call.  Times are on the device's
+    clock, medians over ``repeats`` rounds, and every option is priced from each block's op graph
+    (:func:`remat.profile_ops`); ``ops=True`` keeps the graphs in ``.ops``, from which plans draw their op-level
     ``selective`` options.  A Hugging Face model with ``use_cache=True`` is profiled with the cache off, as
     transformers trains with gradient checkpointing (one warning; its config is left as it was).
 
