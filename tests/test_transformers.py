@@ -134,3 +134,15 @@ def test_transformers_own_switch_called_later_keeps_remat(switch, kwargs, expect
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     _trains_like(model, plain, tokens)
     assert len(regions) == expected_regions
+
+
+def test_offload_does_not_need_torch_accelerator(regions, monkeypatch):
+    """torch.accelerator is torch >= 2.6 and remat supports 2.5: the offload path must do without it."""
+    plain, model = _twins(_llama)
+    enable(model)
+    switch = "activation" if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable") else "gradient"
+    monkeypatch.delattr(torch, "accelerator", raising=False)
+    getattr(model, f"{switch}_checkpointing_enable")(offload=True)  # remat's switch takes offload on every version
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    _trains_like(model, plain, tokens)
+    assert len(regions) == 3

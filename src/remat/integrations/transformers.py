@@ -37,8 +37,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from ..api.checkpoint import checkpoint
 from ..policies.offload import save_on_cpu
 
@@ -81,8 +79,9 @@ def _activation_checkpointing_enable(
     model: Any, activation_checkpointing_kwargs: dict | None = None, every_n_layers: int = 1, offload: bool = False
 ) -> None:
     _check_every_n_layers(model, every_n_layers)
-    # transformers' own switch does the bookkeeping (input grads, flags); then the layers get remat's function.
-    type(model).activation_checkpointing_enable(model, activation_checkpointing_kwargs, every_n_layers, offload)
+    # transformers' own switch does the bookkeeping (input grads, flags); then the layers get remat's function,
+    # which does the offloading itself.
+    type(model).activation_checkpointing_enable(model, activation_checkpointing_kwargs, every_n_layers)
     _hand_layers_remat(model, activation_checkpointing_kwargs, every_n_layers, offload)
 
 
@@ -133,6 +132,6 @@ def _check_every_n_layers(model: Any, every_n_layers: int) -> None:
 def _checkpoint_with_inputs_on_host(func: Callable[..., Any], function: Callable[..., Any], *args: Any,
                                     **kwargs: Any) -> Any:
     # transformers' offload=True: what a checkpointed layer keeps (its inputs) lives in host memory.
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    with save_on_cpu(pin_memory=True, device_type=accelerator.type if accelerator else "cpu"):
+    # remat's save_on_cpu takes each tensor's own device: no accelerator lookup (torch.accelerator is torch >= 2.6).
+    with save_on_cpu(pin_memory=True):
         return func(function, *args, **kwargs)
