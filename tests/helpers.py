@@ -1,5 +1,10 @@
 """Small models and gradient helpers shared by the tests."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -74,3 +79,14 @@ def held_after_forward(module, block, shape):
     # MemTracker's gradient hooks hold the graph (and its checkpoint frames) until a backward runs through them.
     torch.autograd.backward(y.sum(), inputs=[x])
     return held
+
+
+def run_two_ranks(worker: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``tests/<worker>`` under torchrun as two CPU processes (one thread each); returns the finished run."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    script = os.path.join(os.path.dirname(__file__), worker)
+    return subprocess.run(
+        [*command, "--standalone", "--nproc_per_node", "2", script, *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )

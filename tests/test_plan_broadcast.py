@@ -1,13 +1,10 @@
 """One plan for every rank: remat.broadcast_plan under torchrun with two CPU processes (gloo)."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch.distributed as dist
+from helpers import run_two_ranks
 
 import remat
 
@@ -16,13 +13,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 def test_every_rank_applies_rank_zeros_plan(tmp_path):
     report = tmp_path / "report.json"
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    worker = os.path.join(os.path.dirname(__file__), "broadcast_worker.py")
-    out = subprocess.run(
-        [*command, "--standalone", "--nproc_per_node", "2", worker, str(report)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    out = run_two_ranks("broadcast_worker.py", str(report))
     assert out.returncode == 0, out.stderr[-4000:]
     ranks = json.loads(report.read_text())
     assert len(ranks) == 2 and ranks[0] == ranks[1]
