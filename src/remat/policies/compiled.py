@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as torch_checkpoint
-from torch._dynamo.comptime import comptime
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .decisions import CheckpointPolicy, SelectiveCheckpointContext, _is_view_or_inplace
@@ -133,5 +132,7 @@ def tag_in_graph(tensor: torch.Tensor, name: str) -> torch.Tensor:
     Example:
         >>> h = tag_in_graph(x @ w, "proj")  # inside a function torch.compile traces
     """
+    from torch._dynamo.comptime import comptime  # dynamo is loaded when this runs; `import remat` stays light
+
     comptime(_annotate_producer)
     return tensor
