@@ -15,8 +15,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .decisions import _RANDOM_WRITE, _traits, _written_argument
 from .hostcopy import engine_for
 
-_PREFETCH_DEPTH = 2  # kept tensors of the region backward reaches next, copied back while this one recomputes
-
 
 class _Kept:
     """A kept tensor: an alias of the op's output (or a copy of it), its device and version then.
@@ -50,7 +48,10 @@ class _Kept:
 
     def serve(self, take: bool) -> torch.Tensor:
         if self.stashed is not None:
-            value = self.stashed.engine.fetch(self.stashed, _PREFETCH_DEPTH)
+            # No prefetch beyond the region: its recomputation already started copying back all it will be
+            # served, and fetching ahead per served output would bring back earlier regions' outputs (newest
+            # first, the last their recomputations need) and hold them on the device until then.
+            value = self.stashed.engine.fetch(self.stashed)
             if take:
                 self.stashed = None  # its host block goes back to the pool
             return value
