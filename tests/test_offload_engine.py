@@ -267,3 +267,35 @@ def test_torch_device_drives_a_torch_style_module(monkeypatch):
     # Each tensor is used only after the compute stream waited for its copy back.
     assert len([e for e in log if e == ("wait_event", "default", "side1")]) == n
     assert off.pool.in_use_bytes == 0 and off.pool.free_bytes == off.pool.allocated_bytes
+
+
+def test_a_recomputation_brings_back_only_its_own_offloaded_outputs():
+    # A served output once prefetched the newest outputs of earlier regions too, holding them on the device
+    # through this block's backward: only the region's own may come back while it recomputes.
+    fake = FakeDevice()
+    with use_device_model("cpu", fake) as engine:
+        torch.manual_seed(0)
+        model = MLPStack(depth=4, width=16, hidden=32, p=0.0)
+        region, handles = [0], []
+        stash, fetch = engine.stash, engine.fetch
+
+        def stashing(tensor, *args, **kwargs):
+            handle = stash(tensor, *args, **kwargs)
+            handles.append((region[0], handle))
+            return handle
+
+        def fetching(handle, *args, **kwargs):
+            mine = next(r for r, h in handles if h is handle)
+            tensor = fetch(handle, *args, **kwargs)
+            assert all(r == mine for r, h in handles if h.on_device is not None), "another region came back"
+            return tensor
+
+        engine.stash, engine.fetch = stashing, fetching
+
+        def wrap(block, x):
+            region[0] += 1
+            return remat.checkpoint(block, x, policy=offload_matmuls)
+
+        x = torch.randn(8, 16, requires_grad=True)
+        model(x, wrap=wrap).sum().backward()
+    assert len({r for r, _ in handles}) == 4 and sum(not c.to_host for c in fake.copies) == len(handles)
