@@ -57,3 +57,13 @@ def test_no_rng_stash_means_no_check(fake_cuda):
     x = torch.randn(4, requires_grad=True)
     remat.checkpoint(starts_the_device, x, preserve_rng_state=False).sum().backward()
     assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_the_default_device_type_without_torch_accelerator_is_cuda_where_cuda_is(monkeypatch):
+    from remat.engine import replay
+
+    monkeypatch.delattr(torch, "accelerator", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert replay._current_accelerator_type() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert replay._current_accelerator_type() == "cpu"

@@ -58,16 +58,15 @@ class DefaultDeviceType:
 
 def _current_accelerator_type() -> str:
     accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        # check_available=True: report an accelerator only if one is usable,
-        # which never initializes a device context.
-        try:
-            current = accelerator.current_accelerator(True)
-        except TypeError:  # torch < 2.6 has no check_available argument
-            current = accelerator.current_accelerator() if accelerator.is_available() else None
-        if current is not None:
-            return current.type
-    return "cpu"
+    if accelerator is None:  # torch < 2.6: CUDA is the accelerator it can name
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    # check_available=True: report an accelerator only if one is usable,
+    # which never initializes a device context.
+    try:
+        current = accelerator.current_accelerator(True)
+    except TypeError:  # torch < 2.7 has no check_available argument
+        current = accelerator.current_accelerator() if accelerator.is_available() else None
+    return "cpu" if current is None else current.type
 
 
 def _device_module(device_type: str) -> Any:
