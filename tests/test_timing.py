@@ -108,7 +108,7 @@ def test_time_ops_takes_kernels_from_the_device_and_host_work_apart(device):
 
 
 def test_profile_ops_times_a_block_on_the_accelerator_clock(device, monkeypatch):
-    monkeypatch.setattr(opgraph, "device_type_of", lambda tensors: "cuda")
+    monkeypatch.setattr(opgraph, "device_of", lambda tensors: "cuda")
     fixed = Overheads(region=0.0, per_saved=0.0, policy_forward=0.0, policy_replay=0.0, copy_per_byte=0.0)
     graph = profile_ops(nn.Sequential(Scripted()), torch.ones(4), modules=["0"], repeats=2,
                         overheads=fixed).blocks["0"]
@@ -180,11 +180,11 @@ def test_the_cpu_clock_is_thread_time_with_one_thread():
 def test_an_accelerator_without_events_synchronizes_at_every_mark(monkeypatch):
     calls = []
     monkeypatch.setattr(timing, "_events", lambda device_type: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append(1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
     clock = Clock("cuda")
     clock.mark()
     clock.mark()
-    assert len(clock.read()) == 2 and len(calls) == 2
+    assert len(clock.read()) == 2 and calls == [torch.device("cuda")] * 2
 
 
 def test_on_the_cpu_op_costs_add_up_to_the_unwatched_forward():

@@ -63,7 +63,7 @@ from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import candidate_modules
 from .overheads import Overheads, measure_overheads
-from .timing import Clock, OpTimes, device_type_of, time_ops
+from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
@@ -208,6 +208,7 @@ class _BlockRecord:
         self.owner = WeakIdKeyDictionary()  # storage -> _Life index, or -1 for an input storage
         self.lives: list[_Life] = []
         self.nodes: list[dict[str, Any]] = []
+        self.work: list[tuple] = []  # per node: what its cost depends on (op, arguments' metadata and values)
         self.calls: dict[Any, int] = {}
         self.ops = 0
         self.packs = 0
@@ -326,6 +327,7 @@ class _Recorder(TorchDispatchMode):
                 record.lives.append(life)
                 created += life.nbytes
                 self.finalizers.append(weakref.finalize(storage, _died, record, life))
+        record.work.append(_work(func, args, kwargs))
         record.nodes.append({
             "index": index, "op": str(func), "call": call, "kind": kind, "random": random,
             "shapes": tuple(tuple(t.shape) for t in outputs), "out_bytes": created,
@@ -336,6 +338,13 @@ class _Recorder(TorchDispatchMode):
             else 0.0,
         })
         return out
+
+
+def _work(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """What an op call's cost depends on: the op, its tensors' shapes, dtypes and strides, its other values."""
+    leaves = tree_flatten((args, kwargs))[0]
+    return func, tuple((tuple(x.shape), x.dtype, x.stride()) if isinstance(x, torch.Tensor) else repr(x)
+                       for x in leaves)
 
 
 def _died(record: _BlockRecord, life: _Life) -> None:
@@ -349,7 +358,7 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
     Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     """
     module, args, kwargs = record.module, record.args, record.kwargs
-    clock = Clock(device_type_of(_tensors((args, kwargs, list(module.parameters())))))
+    clock = Clock(device_of(_tensors((args, kwargs, list(module.parameters())))))
 
     def keep_nothing() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
@@ -488,7 +497,7 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             if overheads is None:
-                overheads = measure_overheads(device=device_type_of(tensors))
+                overheads = measure_overheads(device=device_of(tensors))
                 if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                     overheads = replace(overheads, copy_per_byte=2 / bandwidth)
             graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
@@ -510,7 +519,7 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
         shared = by_signature.get(graph.signature)
         if shared is None:
             if not estimated:
-                timing = _time_block(record, len(graph.nodes), repeats)
+                timing = pooled(_time_block(record, len(graph.nodes), repeats), record.work)
                 graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
                                for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
                 graph.forward_time = timing.forward

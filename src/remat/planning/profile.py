@@ -38,7 +38,7 @@ from .discovery import candidate_modules
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
-from .timing import Clock, device_type_of
+from .timing import Clock, device_of
 from .units import format_bytes
 
 __all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure", "resolve_blocks"]
@@ -194,7 +194,7 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     return prof
 
 
-_STEP_ROUNDS = 3  # timed plain steps for the step time; per-op times come from the op graphs' rounds
+_STEP_ROUNDS = 2  # timed plain steps for the step time; per-op times come from the op graphs' rounds
 
 
 def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
@@ -241,7 +241,7 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
 def _time_steps(model: nn.Module, step: Callable[[], torch.Tensor], rounds: int, params: list[nn.Parameter]
                 ) -> float:
     """The median device seconds of ``rounds`` training steps without checkpointing (one synchronize each)."""
-    clock = Clock(device_type_of(params))
+    clock = Clock(device_of(params))
     times = []
     for _ in range(rounds):
         times.append(clock.time(lambda: step().backward())[1])

@@ -24,29 +24,30 @@ with its slack, which errs on the side of predicting a little more time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Clock", "OpTimes", "device_type_of", "op_cost", "time_ops"]
+__all__ = ["Clock", "OpTimes", "device_of", "op_cost", "pooled", "time_ops"]
 
 
-def device_type_of(tensors: Iterable[torch.Tensor]) -> str:
-    """The accelerator the tensors live on (the first one found), else ``"cpu"``.
+def device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The accelerator the tensors live on (the first one found, with its index), else the CPU.
 
     Example:
-        >>> device_type_of([torch.ones(1)])
-        'cpu'
+        >>> device_of([torch.ones(1)])
+        device(type='cpu')
     """
     for t in tensors:
         if t.device.type not in ("cpu", "meta"):
-            return t.device.type
-    return "cpu"
+            return t.device
+    return torch.device("cpu")
 
 
 def op_cost(host: float, device: float, asynchronous: bool) -> float:
@@ -70,19 +71,19 @@ def _cpu_clock() -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
-def _events(device_type: str) -> tuple[Callable[[], Any], Callable[[], None]] | None:
+def _events(device: torch.device) -> tuple[Callable[[], Any], Callable[[], None]] | None:
     """(new timing event, synchronize) for an accelerator, or None where it has no events."""
-    module = getattr(torch, device_type, None)
+    module = getattr(torch, device.type, None)
     synchronize = getattr(module, "synchronize", None)
     if synchronize is None:
         return None
     event = getattr(module, "Event", None)
-    if event is not None:
-        return (lambda: event(enable_timing=True)), synchronize
-    generic = getattr(torch, "Event", None)  # torch >= 2.5: one event class for every accelerator
-    if generic is not None:
-        return (lambda: generic(device=device_type, enable_timing=True)), synchronize
-    return None
+    if event is None:
+        generic = getattr(torch, "Event", None)  # torch >= 2.5: one event class for every accelerator
+        if generic is None:
+            return None
+        event = functools.partial(generic, device=device.type)
+    return (lambda: event(enable_timing=True)), (lambda: synchronize(device))
 
 
 class Clock:
@@ -100,15 +101,19 @@ class Clock:
 
     def __init__(self, device: str | torch.device = "cpu",
                  events: tuple[Callable[[], Any], Callable[[], None]] | None = None) -> None:
-        self.device_type = torch.device(device).type
-        if events is None and self.device_type not in ("cpu", "meta"):
-            events = _events(self.device_type)
+        self.device = torch.device(device)
+        if events is None and self.device.type not in ("cpu", "meta"):
+            events = _events(self.device)
             if events is None:  # an accelerator without events: synchronize at every mark instead
-                synchronize = getattr(torch, self.device_type).synchronize
-                events = (lambda: _SynchronizedMark(synchronize)), (lambda: None)
+                synchronize = getattr(torch, self.device.type).synchronize
+                events = (lambda: _SynchronizedMark(lambda: synchronize(self.device))), (lambda: None)
         self._new_event, self._synchronize = events if events is not None else (None, None)
         self.asynchronous = self._new_event is not None
         self.host_now = _cpu_clock() if self._new_event is None else time.perf_counter
+        current_stream = getattr(getattr(torch, self.device.type, None), "current_stream", None)
+        # On the current stream of the model's own device (not the process's current device), when named.
+        self._stream = (lambda: current_stream(self.device)) if current_stream and self.device.index is not None \
+            else None
         self._marks: list[Any] = []
 
     def mark(self) -> int:
@@ -117,7 +122,7 @@ class Clock:
             self._marks.append(self.host_now())
         else:
             event = self._new_event()
-            event.record()
+            event.record() if self._stream is None else event.record(self._stream())
             self._marks.append(event)
         return len(self._marks) - 1
 
@@ -154,7 +159,7 @@ class _SynchronizedMark:
         self._synchronize = synchronize
         self.at = 0.0
 
-    def record(self) -> None:
+    def record(self, stream: Any = None) -> None:
         self._synchronize()
         self.at = time.perf_counter()
 
@@ -295,3 +300,25 @@ def _median_shares(rows: list[list[float]]) -> list[float]:
     medians = [statistics.median(column) for column in zip(*shares)]
     total = sum(medians)
     return [m / total for m in medians] if total > 0 else medians
+
+
+def pooled(times: OpTimes, work: list[Hashable]) -> OpTimes:
+    """``times`` with the ops that do the same work (equal keys in ``work``) sharing their mean times.
+
+    Two calls of one op on tensors of one shape cost the same: measured apart they differ by noise, and a
+    plan choosing between them would follow it.
+
+    Example:
+        >>> pooled(times, [(op, shapes) for op, shapes in calls])
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(work):
+        groups.setdefault(key, []).append(i)
+    device, host = list(times.device), list(times.host)
+    for members in groups.values():
+        if len(members) > 1:
+            for column in (device, host):
+                mean = sum(column[i] for i in members) / len(members)
+                for i in members:
+                    column[i] = mean
+    return replace(times, device=device, host=host)

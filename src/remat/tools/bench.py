@@ -32,7 +32,7 @@ from torch import nn
 from ..api.checkpoint import checkpoint
 from ..models import Block, GPTConfig
 from ..planning.memory import measure_step
-from ..planning.timing import Clock, device_type_of
+from ..planning.timing import Clock, device_of
 
 __all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
 
@@ -149,7 +149,7 @@ def _time_round(case: Case, wrap: Wrap, clock: Clock) -> float:
 
 
 def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
-                       device: str = "cpu") -> list[dict[str, float]]:
+                       device: str | torch.device = "cpu") -> list[dict[str, float]]:
     """Device seconds each step took, round by round: every step once per round, the order rotated.
 
     Times are taken on ``device``'s clock (:class:`~remat.planning.timing.Clock`: events on an
@@ -181,7 +181,7 @@ def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warm
 
 def run_case(case: Case, variants: list[str], repeats: int, warmup: int) -> dict:
     times: dict[str, list[float]] = {v: [] for v in variants}
-    clock = Clock(device_type_of(case.blocks.parameters()))
+    clock = Clock(device_of(case.blocks.parameters()))
     for round_index in range(warmup + repeats):
         # rotate the order each round so no variant always runs first
         order = variants[round_index % len(variants):] + variants[: round_index % len(variants)]
