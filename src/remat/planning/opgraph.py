@@ -440,7 +440,7 @@ def profile_ops(
 
     ``modules`` names the blocks (default: the repeated blocks,
     :func:`remat.planning.discovery.candidate_modules`).  ``timing="measure"`` times one
-    block per signature (``repeats`` interleaved runs, medians);
+    block per signature on its device's clock (``repeats`` rounds, median shares);
     ``"estimate"`` (forced on the meta device) uses FLOPs and bytes moved at
     ``throughput`` FLOP/s and ``bandwidth`` B/s.  ``overheads`` fixes the
     checkpoint machinery's costs; by default the per-region and per-saved-tensor

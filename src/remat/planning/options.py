@@ -13,8 +13,9 @@ A front point (:class:`~remat.planning.fronts.FrontPoint`) is stated in the op g
   exact, both are storage bytes;
 * transient: the recomputation's measured peak (``row.recompute_bytes``) less what the kept outputs
   spare it (the front's ``recompute_peak`` of plain checkpointing minus the point's);
-* extra time: the point's predicted time scaled by the block's measured whole-step price of checkpointing
-  over the front's prediction of it, so every option of a block is priced on one scale.
+* extra time: the point's predicted time scaled by the profile's price of checkpointing the block over
+  the front's (one figure when both come from the op graph's prices; on the meta device the profile's
+  FLOP estimate), so every option of a block is priced on one scale.
 
 Only the front's interior points become options: its two ends are the planner's own ``checkpoint`` and
 ``keep``.
