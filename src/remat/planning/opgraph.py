@@ -497,7 +497,7 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             if overheads is None:
-                overheads = measure_overheads(device=device_of(tensors))
+                overheads = measure_overheads(device=str(device_of(tensors)))
                 if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                     overheads = replace(overheads, copy_per_byte=2 / bandwidth)
             graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
