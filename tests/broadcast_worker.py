@@ -8,6 +8,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import leave_process_group
 from torch import nn
 
 import remat
@@ -45,7 +46,7 @@ def main(report_path):
     if rank == 0:
         with open(report_path, "w") as f:
             json.dump(gathered, f)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers import leave_process_group
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -124,7 +125,7 @@ def main(report_path: str) -> None:
     if rank == 0:
         with open(report_path, "w") as f:
             json.dump(report, f)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -90,3 +90,18 @@ def run_two_ranks(worker: str, *args: str) -> subprocess.CompletedProcess:
         [*command, "--standalone", "--nproc_per_node", "2", script, *args],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def leave_process_group() -> None:
+    """End a torchrun worker: destroy the process group, flush, and exit without finalizing the interpreter.
+
+    Gloo's worker threads may still be dropping the last collective's tensors when the main thread returns;
+    if the interpreter is finalizing by then, their GIL acquire aborts the process ("terminate called without
+    an active exception", pytorch/pytorch#179291). Skipping finalization leaves them nothing to race with.
+    """
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
