@@ -4,10 +4,12 @@ How it works, in four steps:
 
 1. Forward runs the region with grad enabled under a *pack* hook that hands
    autograd a tiny :class:`_Placeholder` instead of each tensor it wants to
-   save.  The region's tensor inputs are saved by a no-op autograd node
+   save.  A selective policy's forward context may ask for some saved tensors
+   to be *held* in their placeholder (they are what the policy keeps anyway);
+   only the others are refilled by recomputation.  The region's tensor inputs are saved by a no-op autograd node
    (:class:`_InputSaver`), so they live exactly as long as the graph needs
    them and in-place changes to them trip autograd's version check.
-2. The first *unpack* of any placeholder during a backward reruns the region
+2. The first *unpack* of an empty placeholder during a backward reruns the region
    (same RNG, same autocast) under a second pack hook that files each
    recomputed tensor against the placeholder with the same index.
 3. Recomputed tensors belong to that backward (graph task).  Each is released
@@ -51,12 +53,15 @@ class _StopRecompute(BaseException):
 
 
 class _Placeholder:
-    """What autograd stores instead of a saved tensor: its position in the region."""
+    """What autograd stores instead of a saved tensor: its position in the region, and the tensor itself
+    where the forward context asked to hold it (with its version then, to notice later in-place changes)."""
 
-    __slots__ = ("index", "__weakref__")
+    __slots__ = ("index", "held", "version", "__weakref__")
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.held: torch.Tensor | None = None
+        self.version = 0
 
 
 class _InputSaver(torch.autograd.Function):
@@ -96,6 +101,10 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
         with _python_dispatch_off():
             return t.detach()
     return t.detach()  # a subclass keeps its own detach
+
+
+def _needs_no_refill(placeholder: _Placeholder | None) -> bool:
+    return placeholder is None or placeholder.held is not None
 
 
 def _is_plain(value: Any) -> bool:
@@ -157,7 +166,7 @@ class _Frame:
 
     __slots__ = (
         "fn", "leaves", "tensor_positions", "spec", "input_node", "state", "recompute_context",
-        "metadata_fn", "early_stop", "traces", "placeholders", "metas", "forward_done", "refills",
+        "metadata_fn", "early_stop", "traces", "placeholders", "metas", "forward_done", "refills", "holds",
         "__weakref__",
     )
 
@@ -171,6 +180,7 @@ class _Frame:
         self.placeholders: list[weakref.ref[_Placeholder]] = []
         self.metas: list[Any] = []
         self.forward_done = False
+        self.holds = False  # whether any placeholder holds its tensor
         # graph task id (or GraphExecGroup) -> recomputed tensors, by placeholder index
         self.refills: dict[Any, list[Any]] = {}
 
@@ -199,21 +209,47 @@ class _Frame:
         return pytree.tree_unflatten(leaves, self.spec)
 
     # ---- forward hook -------------------------------------------------------
-    def make_pack_hook(self) -> Callable[[torch.Tensor], _Placeholder]:
-        """The forward pack hook, with everything it touches bound as locals (it runs per saved tensor)."""
+    def make_pack_hook(self, hold: Callable[[int, torch.Tensor], bool] | None) -> Callable[[Any], _Placeholder]:
+        """The forward pack hook, with everything it touches bound as locals (it runs per saved tensor).
+
+        ``hold(index, tensor)`` (from the forward context) says which saved tensors stay in their placeholder.
+        """
         placeholders, new_ref, remember = self.placeholders, weakref.ref, self.placeholders.append
         metadata_fn, keep_metadata = self.metadata_fn, self.metas.append
 
         def pack(x: torch.Tensor) -> _Placeholder:
-            placeholder = _Placeholder(len(placeholders))
+            index = len(placeholders)
+            placeholder = _Placeholder(index)
             remember(new_ref(placeholder))
             if metadata_fn is not None:
                 keep_metadata(metadata_fn(x))
+            if hold is not None and hold(index, x):
+                # Detached: the tensor's grad_fn holds this placeholder, which must not hold it back.
+                placeholder.held = _detached(x)
+                placeholder.version = x._version
+                self.holds = True
             return placeholder
 
         return pack
 
+    def release_changed_holds(self) -> None:
+        """Forward ended: a held tensor the region changed in place after saving it is recomputed instead
+        (plain autograd would refuse it; recomputation gives the value it had when saved)."""
+        for ref in self.placeholders:
+            placeholder = ref()
+            if placeholder is not None and placeholder.held is not None:
+                if placeholder.held._version != placeholder.version:
+                    placeholder.held = None
+
     def unpack(self, placeholder: _Placeholder) -> torch.Tensor:
+        held = placeholder.held
+        if held is not None:
+            if held._version == placeholder.version:
+                return held
+            # Changed in place since forward: only a recomputation has the value it was saved with (and a
+            # policy whose kept output it is decides there whether that change is an error).
+            placeholder.held = None
+            return self._recompute()[placeholder.index]
         key = _get_group()
         if key is None:
             key = _current_graph_task_id()
@@ -255,8 +291,8 @@ class _Frame:
         count = len(self.placeholders)
         stop_at = count
         if self.early_stop:
-            # Placeholders released by an earlier partial backward need no refill.
-            while stop_at and self.placeholders[stop_at - 1]() is None:
+            # Placeholders released by an earlier partial backward, or holding their tensor, need no refill.
+            while stop_at and _needs_no_refill(self.placeholders[stop_at - 1]()):
                 stop_at -= 1
         refill = _Refill(self)
         args, kwargs = self._inputs()
@@ -307,7 +343,7 @@ class _Refill:
             index = self.seen
             self.seen = index + 1
             if index < count:
-                if placeholders[index]() is not None:
+                if not _needs_no_refill(placeholders[index]()):
                     if metadata_fn is not None and metadata_fn(x) != metas[index]:
                         grad_fn = recomputed.grad_fn
                         self._stop(Divergence("metadata", index=index, expected=metas[index], got=metadata_fn(x),
@@ -360,8 +396,11 @@ def run_nonreentrant(
     frame = _Frame(fn, recompute_context, metadata_fn, early_stop, traces)
     tensors = frame.save_inputs(args, kwargs)
     frame.state = state = ReplayState.capture(tensors, preserve_rng_state)
+    # A selective policy's forward context may hold the saved tensors it keeps (see remat.policies.tape).
+    holds_for = getattr(forward_context, "holds_for", None)
+    hold = holds_for(fn, frame.leaves, tensors, state) if holds_for is not None else None
     result = _NO_RESULT = object()
-    _push_saved_tensors_default_hooks(frame.make_pack_hook(), frame.unpack)
+    _push_saved_tensors_default_hooks(frame.make_pack_hook(hold), frame.unpack)
     try:
         with forward_context:
             if traces is None:
@@ -377,6 +416,8 @@ def run_nonreentrant(
             "checkpointed function; checkpoint has no value to return. Let the exception propagate."
         )
     frame.forward_done = True
+    if frame.holds:
+        frame.release_changed_holds()
     if preserve_rng_state:
         state.check_device_not_initialized_by("a checkpointed function")
     return result

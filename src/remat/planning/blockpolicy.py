@@ -31,6 +31,7 @@ from torch import nn
 
 from ..api.modules import ActivationWrapper, checkpoint_wrapper
 from ..policies.decisions import CheckpointPolicy
+from ..policies.rules import Policy
 from ..policies.selective import create_selective_checkpoint_contexts
 from .units import format_bytes
 
@@ -104,6 +105,15 @@ class BlockPolicy:
             if d.decision == "keep":
                 table.setdefault(resolve_op(d.op), set()).add(d.call)
         self._keep = {op: frozenset(calls) for op, calls in table.items()}
+        keep = self._keep
+
+        def call_rule(op: Any, index: int) -> CheckpointPolicy | None:
+            calls = keep.get(op)
+            return _SAVE if calls is not None and index in calls else None
+
+        # One rules policy for every call: remat counts the calls, and the region's tape (remat.policies.tape)
+        # is learned once and followed from then on.
+        self.rules = Policy(call_rule=call_rule, name=f"{mode} block, {len(self.kept)} kept")
 
     @property
     def kept(self) -> list[tuple[str, int]]:
@@ -143,7 +153,7 @@ class BlockPolicy:
         Example:
             >>> y = remat.checkpoint(block, x, context_fn=policy.context_fn)
         """
-        return create_selective_checkpoint_contexts(self.policy_fn())
+        return create_selective_checkpoint_contexts(self.rules)
 
     def wrap(self, module: nn.Module) -> nn.Module:
         """``module`` set up to run under this policy (``keep``: the module itself).

@@ -8,7 +8,9 @@ recomputation needs it) or *recomputed*.  Two dispatch modes implement it:
 :class:`_Replayer` runs in recomputation and serves those outputs to the
 same calls, matched by operator and call index.
 ``create_selective_checkpoint_contexts`` returns the pair for
-``checkpoint(..., context_fn=...)``.
+``checkpoint(..., context_fn=...)``; the forward one (:class:`_Forward`) runs the
+recording mode the first time a region runs with given inputs, and after that
+follows the region's *tape* with no dispatch mode at all (:mod:`.tape`).
 
 Lifetime of a kept output: it is released as soon as a recomputation has
 served it, unless the backward keeps its graph (``retain_graph=True``), in
@@ -82,6 +84,7 @@ from .decisions import (
 )
 from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs, _prefetch, _settle, _unprefetch
 from .offload import OffloadStats
+from .tape import _book_for, _Follower, _Learner, _region_key
 
 __all__ = ["create_selective_checkpoint_contexts"]
 
@@ -121,6 +124,24 @@ class _Store:
         self.recent: dict[int, tuple[weakref.ref, Any, int, Any]] | None = (
             {} if getattr(policy, "has_names", False) else None
         )
+        self.follower: _Follower | None = None  # set when the forward followed a tape
+
+    def follow(self, follower: _Follower) -> None:
+        """The forward followed a tape: the replay is served what it captured (built when first needed)."""
+        self.follower = follower
+        if self.stats is not None:
+            for _, _, kept in follower.kept():
+                for tensor in kept.tensors():
+                    self.stats.add(tensor.nbytes, offloaded=False)
+
+    def materialize(self) -> None:
+        """The slots and kept outputs of a forward that followed a tape, as the recording mode leaves them."""
+        follower, self.follower = self.follower, None
+        for op, action, calls in follower.tape.slots:
+            slot = self.slots[id(op)] = _OpSlot(op, action)
+            slot.calls = calls
+        for op, call, kept in follower.kept():
+            self.slots[id(op)].kept[call] = kept
 
     def first_sight(self, op: Any) -> _OpSlot:
         """The slot of an operator this region has not run yet, with what is known of it without asking."""
@@ -189,15 +210,57 @@ def _active_store() -> _Store | None:
     return stack[-1] if stack else None
 
 
+class _Forward:
+    """The forward context of one selective region: the recording mode, or the follower of a tape."""
+
+    def __init__(self, store: _Store) -> None:
+        self.store = store
+        self.recorder = _Recorder(store)
+        self.follower: _Follower | None = None
+
+    def holds_for(self, fn: Callable, leaves: list, tensors: list[torch.Tensor], state: Any) -> Callable | None:
+        """Called by the engine before forward: which saved tensors to hold, ``(index, tensor) -> bool``."""
+        store = self.store
+        if not store.by_rules or store.recent is not None:
+            return None  # a policy function may decide on anything; names are decided in forward
+        book = _book_for(store.policy)
+        key = _region_key(fn, leaves, tensors, state) if book is not None else None
+        if key is None:
+            return None
+        tape = book.tapes.get(key, _Learner)
+        if tape is None or tape is _Learner:  # recorded: this region has no tape, or is about to learn it
+            self.recorder.learner = _Learner(store, book if tape is _Learner else None, key)
+            return self.recorder.learner.hold
+        self.follower = _Follower(tape)
+        return self.follower.hold
+
+    def __enter__(self) -> _Forward:
+        if self.follower is not None:
+            self.follower.enter()
+        else:
+            self.recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.follower is not None:
+            self.follower.exit()
+            self.store.follow(self.follower)
+        else:
+            self.recorder.__exit__(*exc)
+
+
 class _Recorder(TorchDispatchMode):
     """Forward: run each op, ask the policy, keep its output when told to."""
 
     def __init__(self, store: _Store) -> None:
         super().__init__()
         self.store = store
+        self.learner: _Learner | None = None  # writes the region's tape, the first time it runs
 
     def __enter__(self) -> _Recorder:
         _recording.__dict__.setdefault("stack", []).append(self.store)
+        if self.learner is not None:
+            self.learner.enter()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -205,7 +268,11 @@ class _Recorder(TorchDispatchMode):
         store = self.store
         if store.recent is not None:
             store.recent.clear()  # tag() only applies inside the forward
-        store.forward_done()
+        try:
+            store.forward_done()
+        finally:
+            if self.learner is not None:
+                self.learner.exit(failed=exc[0] is not None)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
@@ -223,6 +290,8 @@ class _Recorder(TorchDispatchMode):
             action = store.ask(slot, index, args, kwargs or {}, out)
         if action != _RECOMPUTE:
             store.keep(slot, index, args, kwargs or {}, out, action == _OFFLOAD)
+        if self.learner is not None:
+            self.learner.output(out, slot, index, args)
         if store.recent is not None:
             _remember(store.recent, out, op, index)
         return out
@@ -250,6 +319,8 @@ class _Replayer(TorchDispatchMode):
         self.rng_before: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> _Replayer:
+        if self.store.follower is not None:
+            self.store.materialize()
         for slot in self.store.slots.values():
             slot.replayed = 0  # each recomputation replays from the start
         # A backward that frees its graph can run this region's recomputation only once
@@ -329,7 +400,7 @@ def create_selective_checkpoint_contexts(
     allow_cache_entry_mutation: bool = False,
     *,
     stats: OffloadStats | None = None,
-) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+) -> tuple[_Forward, TorchDispatchMode]:
     """The ``(forward, recompute)`` context pair for ``checkpoint(context_fn=...)``.
 
     ``policy_fn_or_list`` is a function ``(ctx, op, *args, **kwargs) ->
@@ -362,4 +433,4 @@ def create_selective_checkpoint_contexts(
     else:
         raise TypeError("remat: policy_fn_or_list must be a policy function or a list of ops.")
     store = _Store(policy, allow_cache_entry_mutation, stats)
-    return _Recorder(store), _Replayer(store)
+    return _Forward(store), _Replayer(store)

@@ -1,0 +1,340 @@
+"""Tapes: selective checkpointing without a dispatch mode in forward, for regions run before.
+
+A selective policy decides per op output, so remat's first forward of a region runs under a dispatch mode
+that sees every op (:mod:`.selective`).  That costs a trip through Python per op, which a GPU waits for.
+While that first forward runs, a :class:`_Learner` also writes down, per tensor autograd saves (in the order
+of the engine's pack hook), where its storage came from: an op output the policy keeps, one it recomputes,
+or a tensor made outside the region (parameters, inputs).  It writes down too which module outputs carry
+kept outputs that autograd never saves (a projection's output that only feeds a residual sum).  That list is
+the region's *tape*.
+
+The next call of the same region with inputs alike (same function, tensor shapes, dtypes, devices, strides
+and ``requires_grad``, equal plain arguments, same autocast) runs with no dispatch mode at all: a
+:class:`_Follower` answers the engine's pack hook from the tape.  A saved tensor whose storage the policy
+keeps, or that comes from outside, is *held* in its placeholder (autograd gets it back without
+recomputation); the rest is dropped, and recomputed in backward by the usual replay, which is served the
+kept outputs the follower captured, by op and call index.  A policy that keeps every op output therefore
+never reruns the region, and one that keeps a region's matmuls reruns it with its matmuls served.
+
+Holding a saved tensor is what plain autograd does, so a tape can cost memory or recomputation but never
+correctness, with one condition: a served output must be the output of the op call the tape names.  The
+follower checks each saved tensor's shape, dtype and version against the tape, and their count at the end;
+on any difference it holds nothing more and serves nothing, and backward recomputes the region whole.  A
+region whose op sequence changes between calls with inputs alike in every checked way (a branch on a value
+or a global, choosing between ops of the same shapes) is the one case this cannot see: run such a region
+with ``tapes(False)``.
+
+Tapes are used for :class:`~remat.policies.Policy` objects (op and call rules: pure functions of the op and
+its call index) without name rules, and only where what the policy keeps is reachable from saved tensors or
+module outputs; kept in-place random draws (dropout's mask on CPU) and offloaded outputs keep the dispatch
+mode on every call.
+
+Example:
+    >>> y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)  # records, learns the tape
+    >>> y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)  # follows it: no dispatch mode
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .decisions import _RANDOM_WRITE, _VIEW_OR_INPLACE, _traits
+from .kept import _Draw, _keep, _Kept, _KeptOutputs
+
+__all__ = ["tapes"]
+
+_EXTERNAL = "external"  # a saved tensor made outside the region: held, never served
+_TENSOR = "tensor"  # in a kept call's outputs: a tensor leaf (the others are kept as they are)
+_BOOK_SIZE = 64  # tapes kept per policy (regions × input signatures)
+_enabled = [True]
+
+
+@contextlib.contextmanager
+def tapes(enabled: bool) -> Iterator[None]:
+    """Turn tapes on or off for the selective regions run inside (on by default).
+
+    Off, every forward of a selective region runs under the recording dispatch mode, as the first does.
+
+    Example:
+        >>> with remat.policies.tapes(False):
+        ...     y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)
+    """
+    before = _enabled[0]
+    _enabled[0] = enabled
+    try:
+        yield
+    finally:
+        _enabled[0] = before
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A kept op output a saved tensor or module output shares storage with, and how to rebuild it."""
+
+    op: Any
+    call: int
+    leaf: int  # position among the op's flattened outputs
+    exact: bool  # the tensor is the output itself, not another view of its storage
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]  # the output's size, stride, storage offset
+
+
+@dataclass
+class _Tape:
+    """What the recorded forward of one region showed (see the module docstring)."""
+
+    packs: list[tuple[torch.Size, torch.dtype, int, Any]]  # shape, dtype, version, source (None: drop)
+    modules: dict[int, list[tuple[int, _Source]]]  # module call -> (output leaf, kept output it carries)
+    slots: list[tuple[Any, int, int]]  # every op the region ran: op, action, calls
+    outputs: dict[tuple[int, int], tuple[Any, list[Any]]]  # kept call -> its outputs' spec and leaves
+
+
+@dataclass
+class _Book:
+    """The tapes of one policy, by region key; None marks a region that cannot have one."""
+
+    tapes: dict[Any, _Tape | None] = field(default_factory=dict)
+
+
+_books: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _book_for(policy: Any) -> _Book | None:
+    if not _enabled[0]:
+        return None
+    book = _books.get(policy)
+    if book is None:
+        book = _books[policy] = _Book()
+    return book
+
+
+def _region_key(fn: Callable, leaves: list[Any], tensors: list[torch.Tensor], state: Any) -> Any:
+    """What must be equal for two calls of a region to share a tape; None where it cannot be told."""
+    owner = getattr(fn, "__self__", None)
+    function = getattr(fn, "__func__", fn)
+    plain = []
+    for leaf in leaves:
+        if leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device)):
+            plain.append(leaf)
+        else:
+            return None  # an object the region may read state from: no tape
+    shapes = tuple((t.shape, t.dtype, t.device, t.stride(), t.requires_grad) for t in tensors)
+    return (id(owner), function, tuple(plain), shapes, state.cpu_autocast, state.device_autocast)
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    return tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return t.device.type, t.untyped_storage().data_ptr()
+
+
+class _Learner:
+    """Holds, while the recording forward runs, the saved tensors the policy keeps (or that come from
+    outside), and writes the region's tape into ``book`` (None: a region that cannot have one)."""
+
+    def __init__(self, store: Any, book: _Book | None, key: Any) -> None:
+        self.store, self.book, self.key = store, book, key
+        # storage -> (its bytes, slot and call of the op that allocated it, output leaf, output geometry)
+        self.made: dict[tuple[str, int], tuple[int, Any, int, int, Any]] = {}
+        self.drawn: set[tuple[str, int]] = set()
+        self.packs: list[tuple[torch.Size, torch.dtype, int, Any]] = []
+        self.module_outputs: list[list[tuple[int, _Source]]] = []
+        self.hook: Any = None
+
+    def enter(self) -> None:
+        self.hook = register_module_forward_hook(self._module_output)
+
+    def exit(self, failed: bool) -> None:
+        self.hook.remove()
+        if not failed and self.book is not None:
+            self._write()
+
+    def output(self, out: Any, slot: Any, call: int, args: tuple) -> None:
+        """An op ran under the recording mode: remember which storages it allocated.
+
+        An allocating op's storage is new, so an address seen before was freed and is taken over.  Python
+        wrappers of intermediate tensors die while autograd still holds them, so liveness is not asked.
+        """
+        traits = _traits(slot.op)
+        if traits & _RANDOM_WRITE and isinstance(out, torch.Tensor):
+            # What an in-place draw wrote is kept as a private copy, if at all: holding the saved tensor too
+            # would keep it twice.
+            self.drawn.add(_storage_key(out))
+        if traits & _VIEW_OR_INPLACE:
+            return  # its outputs alias its inputs (a parameter's transpose is the parameter's storage)
+        leaves = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        inputs = None
+        for leaf, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0:
+                    continue
+                key = (t.device.type, storage.data_ptr())
+                if inputs is None:
+                    inputs = {_storage_key(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
+                if key not in inputs:  # an op like _unsafe_view returns its input's storage unannotated
+                    self.made[key] = (storage.nbytes(), slot, call, leaf, _geometry(t))
+
+    def _source(self, t: torch.Tensor) -> Any:
+        if t.device.type == "meta":
+            return None
+        key = _storage_key(t)
+        if key in self.drawn:
+            return None
+        seen = self.made.get(key)
+        if seen is None or seen[0] != t.untyped_storage().nbytes():
+            return _EXTERNAL
+        _, slot, call, leaf, geometry = seen
+        kept = slot.kept.get(call)
+        if kept is None or (isinstance(kept, _Draw) and kept.target is not None):
+            return None  # recomputed, or kept as a private copy (an in-place draw): the storage is not kept
+        if any(k.offloaded for k in kept.tensors()):
+            return None  # kept in host memory: holding it on the device would undo the offload
+        return _Source(slot.op, call, leaf, _geometry(t) == geometry, geometry)
+
+    def hold(self, index: int, t: torch.Tensor) -> bool:
+        source = self._source(t)
+        self.packs.append((t.shape, t.dtype, t._version, source))
+        return source is not None
+
+    def _module_output(self, module: Any, args: Any, output: Any) -> None:
+        found = []
+        leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+        for leaf, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                source = self._source(t)
+                if isinstance(source, _Source):
+                    found.append((leaf, source))
+        self.module_outputs.append(found)
+
+    def _write(self) -> None:
+        """Forward ended (the policy's kept outputs are final): file the tape, or None if it cannot be used."""
+        store = self.store
+        kept_calls = {(id(slot.op), call): kept for slot in store.slots.values() for call, kept in slot.kept.items()}
+        packs = [(shape, dtype, version, self._still_kept(source, kept_calls))
+                 for shape, dtype, version, source in self.packs]
+        reached = {(id(s.op), s.call, s.leaf) for *_, s in packs if isinstance(s, _Source)}
+        modules: dict[int, list[tuple[int, _Source]]] = {}
+        for number, found in enumerate(self.module_outputs):
+            wanted = [(leaf, s) for leaf, s in found
+                      if (id(s.op), s.call) in kept_calls and (id(s.op), s.call, s.leaf) not in reached]
+            if wanted:
+                modules[number] = wanted
+                reached.update((id(s.op), s.call, s.leaf) for _, s in wanted)
+        outputs = {}
+        for slot in store.slots.values():
+            for call, kept in slot.kept.items():
+                if isinstance(kept, _Draw):
+                    if kept.target is not None:
+                        return self._refuse()  # an in-place draw is kept by value, not by its storage
+                    kept = kept.kept
+                if any(k.offloaded for k in kept.tensors()):
+                    return self._refuse()
+                leaves, spec = tree_flatten(kept.structure if isinstance(kept, _KeptOutputs) else kept)
+                for leaf, item in enumerate(leaves):
+                    if isinstance(item, _Kept) and (id(slot.op), call, leaf) not in reached:
+                        return self._refuse()  # kept, but neither saved nor a module's output: not reachable
+                outputs[(id(slot.op), call)] = (spec, [_TENSOR if isinstance(item, _Kept) else item for item in leaves])
+        slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
+        self._file(_Tape(packs, modules, slots, outputs))
+
+    @staticmethod
+    def _still_kept(source: Any, kept_calls: dict) -> Any:
+        if isinstance(source, _Source) and (id(source.op), source.call) not in kept_calls:
+            return None  # the region changed it in place, so the policy recomputes it after all
+        return source
+
+    def _refuse(self) -> None:
+        self._file(None)
+
+    def _file(self, tape: _Tape | None) -> None:
+        tapes = self.book.tapes
+        if len(tapes) >= _BOOK_SIZE:
+            tapes.pop(next(iter(tapes)))
+        tapes[self.key] = tape
+
+
+class _Follower:
+    """Answers the pack hook from a tape, with no dispatch mode; captures the kept outputs for the replay."""
+
+    def __init__(self, tape: _Tape) -> None:
+        self.tape = tape
+        self.captured: dict[tuple[int, int], dict[int, tuple[torch.Tensor, int]]] = {}
+        self.seen = 0
+        self.module_calls = 0
+        self.diverged = False
+        self.hook: Any = None
+
+    def enter(self) -> None:
+        if self.tape.modules:
+            self.hook = register_module_forward_hook(self._module_output)
+
+    def exit(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+        if self.seen != len(self.tape.packs):
+            self.diverged = True
+
+    def hold(self, index: int, t: torch.Tensor) -> bool:
+        packs = self.tape.packs
+        self.seen = index + 1
+        if self.diverged or index >= len(packs):
+            self.diverged = True
+            return False
+        shape, dtype, version, source = packs[index]
+        if t.shape != shape or t.dtype != dtype or t._version != version:
+            self.diverged = True
+            return False
+        if source is None:
+            return False
+        if source is not _EXTERNAL:
+            self._capture(t, source)
+        return True
+
+    def _module_output(self, module: Any, args: Any, output: Any) -> None:
+        wanted = self.tape.modules.get(self.module_calls)
+        self.module_calls += 1
+        if wanted and not self.diverged:
+            leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            for leaf, source in wanted:
+                t = leaves[leaf] if leaf < len(leaves) else None
+                if not isinstance(t, torch.Tensor):
+                    self.diverged = True
+                    return
+                self._capture(t, source)
+
+    def _capture(self, t: torch.Tensor, source: _Source) -> None:
+        value = t.detach()  # no grad_fn: the frame that holds it must not keep the graph alive
+        if not source.exact:
+            size, stride, offset = source.geometry
+            value = value.as_strided(size, stride, offset)
+        self.captured.setdefault((id(source.op), source.call), {})[source.leaf] = (value, value._version)
+
+    def kept(self) -> Iterator[tuple[Any, int, _Kept | _KeptOutputs]]:
+        """``(op, call, kept)`` for every kept call captured whole (none if the call diverged from the tape).
+
+        Each kept tensor carries its version when captured, so a change after forward is seen when it is
+        served, as for outputs the recording mode keeps.
+        """
+        if self.diverged:
+            return
+        ops = {id(op): op for op, _, _ in self.tape.slots}
+        for (op_id, call), (spec, leaves) in self.tape.outputs.items():
+            captured = self.captured.get((op_id, call), {})
+            if len(captured) != leaves.count(_TENSOR):
+                continue  # not captured in this call: recomputed
+            values = [captured[i][0] if item is _TENSOR else item for i, item in enumerate(leaves)]
+            kept = _keep(tree_unflatten(values, spec), False)
+            versions = [captured[i][1] for i, item in enumerate(leaves) if item is _TENSOR]
+            for tensor, version in zip(kept.tensors(), versions):
+                tensor.version = version
+            yield ops[op_id], call, kept
