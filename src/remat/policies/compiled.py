@@ -82,7 +82,10 @@ def _compiler_contexts(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, 
     forward, recompute = context_fn()
     if isinstance(forward, _Forward):
         store = forward.store
-        decide = functools.partial(_decide_for_compiler, store.policy)
+        policy = store.policy
+        if getattr(policy, "by_call", False):
+            policy = _CallCounter(policy)  # fresh counters: this runs once per traced region
+        decide = functools.partial(_decide_for_compiler, policy)
         return torch_checkpoint.create_selective_checkpoint_contexts(decide, store.allow_mutation)
     if isinstance(forward, TorchDispatchMode) and isinstance(recompute, TorchDispatchMode):
         return forward, recompute  # torch's own selective contexts: already what the compiler reads
@@ -98,6 +101,20 @@ def _compiler_contexts(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, 
 
 def _recompute_everything(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _CallCounter:
+    """A policy with call rules asked as a PyTorch ``policy_fn``: counts each op's calls in traced order."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.decide_name = policy.decide_name
+        self.calls: dict[Any, int] = {}
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        index = self.calls.get(op, 0)
+        self.calls[op] = index + 1
+        return self.policy.decide(op, index)
 
 
 def _decide_for_compiler(policy: Callable[..., Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -142,6 +142,9 @@ class _Store:
             slot.calls = calls
         for op, call, kept in follower.kept():
             self.slots[id(op)].kept[call] = kept
+        # Autograd keeps the forward's pack hook, and with it the follower, as long as the graph lives:
+        # the kept outputs belong to the slots now, which let each go once it is served.
+        follower.captured = {}
 
     def first_sight(self, op: Any) -> _OpSlot:
         """The slot of an operator this region has not run yet, with what is known of it without asking."""

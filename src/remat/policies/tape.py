@@ -157,6 +157,8 @@ class _Learner:
         self.hook.remove()
         if not failed and self.book is not None:
             self._write()
+        # Autograd keeps the forward's pack hook, and with it this learner, as long as the graph lives.
+        self.made, self.packs, self.module_outputs = {}, [], []
 
     def output(self, out: Any, slot: Any, call: int, args: tuple) -> None:
         """An op ran under the recording mode: remember which storages it allocated.

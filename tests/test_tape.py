@@ -1,0 +1,277 @@
+"""Tapes: after its first call a selective region runs without a dispatch mode in forward (remat.policies.tape).
+
+Every test compares gradients bitwise with plain autograd, over several calls so that the calls after the first
+follow the tape the first one wrote.
+"""
+
+import functools
+
+import pytest
+import torch
+from helpers import MLPStack, assert_bitwise, grads
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat import CheckpointPolicy
+from remat.policies import Policy, save_matmuls, tapes
+from remat.policies.tape import _books
+
+MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def _counting(policy_rule):
+    """A rules policy whose op rule counts how often remat asks it (it is asked only while recording)."""
+    asked = [0]
+
+    def op_rule(op):
+        asked[0] += 1
+        return policy_rule(op)
+
+    return Policy(op_rule=op_rule, name="counting"), asked
+
+
+def _keep_matmuls(op):
+    return CheckpointPolicy.MUST_SAVE if op in MM else None
+
+
+def _keep_everything(op):
+    return CheckpointPolicy.MUST_SAVE
+
+
+class Residual(nn.Module):
+    """A projection whose output only feeds a residual sum (as a transformer's attention output does):
+    autograd never saves it, so the tape reaches it as the Linear's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = x + self.proj(torch.nn.functional.gelu(self.up(self.norm(x))))
+        return h * torch.sigmoid(h)
+
+
+@pytest.mark.parametrize(("rule", "p", "follows"), [
+    (_keep_matmuls, 0.25, True),
+    (_keep_everything, 0.0, True),
+    (_keep_everything, 0.25, False),  # keeps dropout's in-place draw by value: recorded on every call
+])
+def test_calls_after_the_first_follow_the_tape_bitwise_and_never_ask_the_policy(rule, p, follows):
+    torch.manual_seed(0)
+    model = MLPStack(depth=3, p=p)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *model.parameters()]
+    policy, asked = _counting(rule)
+    for step in range(3):
+        expected = grads(lambda: model(x).sum(), params, seed=step)
+        asked[0] = 0
+        got = grads(lambda: model(x, wrap=lambda b, t: remat.checkpoint(b, t, policy=policy)).sum(), params, seed=step)
+        assert_bitwise(expected[1], got[1])
+        assert (asked[0] > 0) == (step == 0 or not follows)  # a tape answers from the second call on
+
+
+def test_a_policy_keeping_everything_never_reruns_the_region():
+    torch.manual_seed(0)
+    block = Residual()
+    x = torch.randn(4, 16, requires_grad=True)
+    policy, _ = _counting(_keep_everything)
+    runs = [0]
+
+    def fn(t):
+        runs[0] += 1
+        return block(t)
+
+    params = [x, *block.parameters()]
+    for step in range(3):
+        expected = grads(lambda: block(x).sum(), params)
+        runs[0] = 0
+        got = grads(lambda: remat.checkpoint(fn, x, policy=policy).sum(), params)
+        assert_bitwise(expected[1], got[1])
+        assert runs[0] == 1, f"step {step}: the region ran {runs[0]} times"
+
+
+def test_a_kept_output_no_tensor_saves_is_captured_from_its_module_and_served():
+    torch.manual_seed(0)
+    block = Residual()
+    x = torch.randn(4, 16, requires_grad=True)
+    policy, _ = _counting(_keep_matmuls)
+    counts = []
+    for _ in range(3):
+        y = remat.checkpoint(block, x, policy=policy)
+        with CountOps(MM) as counter:
+            y.sum().backward()
+        counts.append(counter.count)
+    (tape,) = _books[policy].tapes.values()
+    assert tape is not None and tape.modules  # proj's output reached through the module
+    assert counts == [4, 4, 4]  # gradient matmuls only: both forward matmuls served every time
+
+
+def test_tape_recording_and_plain_autograd_hold_the_same_bytes():
+    torch.manual_seed(0)
+    block = Residual()
+    x = torch.randn(64, 16, requires_grad=True)
+
+    def step():
+        remat.checkpoint(block, x, policy=save_matmuls).sum().backward()
+
+    def plain():
+        block(x).sum().backward()
+
+    plain()  # gradients exist from here on, in every measured step alike
+    with tapes(False):
+        recorded = remat.measure_step(step, block).peak_above_params
+    first = remat.measure_step(step, block).peak_above_params  # learns the tape
+    followed = remat.measure_step(step, block).peak_above_params
+    assert recorded == first == followed == remat.measure_step(plain, block).peak_above_params
+
+
+def test_tapes_off_records_every_call():
+    torch.manual_seed(0)
+    block = Residual()
+    x = torch.randn(4, 16, requires_grad=True)
+    policy, asked = _counting(_keep_matmuls)
+    with tapes(False):
+        for _ in range(2):
+            asked[0] = 0
+            remat.checkpoint(block, x, policy=policy).sum().backward()
+            assert asked[0] > 0
+    assert policy not in _books
+
+
+def test_a_region_whose_ops_change_between_calls_gets_plain_gradients():
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    branch = {"which": 0}
+
+    def fn(t):
+        h = t @ w1
+        if branch["which"] == 0:
+            return (h + 1).sin()
+        if branch["which"] == 1:
+            return (h @ w2).cos()  # one more matmul, the same shapes saved
+        return (h.t() + 1).sin().exp()  # another op sequence and more saved tensors
+
+    def gradients(loss):
+        return torch.autograd.grad(loss, [x, w1, w2], allow_unused=True)
+
+    policy, _ = _counting(_keep_matmuls)
+    for which in (0, 0, 1, 2, 0, 1):
+        branch["which"] = which
+        expected = gradients(fn(x).sum())
+        assert_bitwise(expected, gradients(remat.checkpoint(fn, x, policy=policy).sum()))
+
+
+def test_a_kept_output_modified_after_forward_is_an_error_in_tape_mode_too():
+    w = torch.randn(4, 4, requires_grad=True)
+    leak = {}
+
+    def fn(t):
+        h = t @ w
+        leak["h"] = h
+        return (h + 1).sin()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    remat.checkpoint(fn, x, policy=save_matmuls).sum().backward()  # learns the tape
+    y = remat.checkpoint(fn, x, policy=save_matmuls)
+    with torch.no_grad():
+        leak["h"].add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+    allowing = functools.partial(remat.create_selective_checkpoint_contexts, save_matmuls, True)
+    expected = grads(lambda: fn(x).sum(), [x, w])
+    for _ in range(2):
+        y = remat.checkpoint(fn, x, context_fn=allowing)
+        with torch.no_grad():
+            leak["h"].add_(1.0)
+        assert_bitwise(expected[1], torch.autograd.grad(y.sum(), [x, w]))  # recomputed, not served
+
+
+def test_a_held_tensor_changed_after_forward_is_recomputed():
+    x = torch.randn(4, 4, requires_grad=True)
+    leak = {}
+
+    def fn(t):
+        h = t.exp()  # exp saves its output, kept by the policy below: held in its placeholder
+        leak["h"] = h
+        return h.sum(0)
+
+    keep_exp = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.exp.default else None)
+    allowing = functools.partial(remat.create_selective_checkpoint_contexts, keep_exp, True)
+    expected = torch.autograd.grad(fn(x).sum(), x)
+    for _ in range(3):
+        y = remat.checkpoint(fn, x, context_fn=allowing)
+        with torch.no_grad():
+            leak["h"].mul_(3.0)
+        assert_bitwise(expected, torch.autograd.grad(y.sum(), x))
+
+
+def test_retained_and_partial_backward_follow_the_tape():
+    x, w = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+    def two_heads(t, w):
+        return (t @ w + 1).sin(), (t.t() @ w + 1).cos()
+
+    a, b = two_heads(x, w)
+    expected = [*torch.autograd.grad(a.sum(), [x, w]), *torch.autograd.grad(b.sum(), [x, w])]
+    for _ in range(3):
+        a, b = remat.checkpoint(two_heads, x, w, policy=save_matmuls)
+        got = list(torch.autograd.grad(a.sum(), [x, w]))
+        got += torch.autograd.grad(b.sum(), [x, w])
+        assert_bitwise(expected, got)
+        a, b = remat.checkpoint(two_heads, x, w, policy=save_matmuls)
+        loss = a.sum() + b.sum()
+        first = torch.autograd.grad(loss, [x, w], retain_graph=True)
+        assert_bitwise(first, torch.autograd.grad(loss, [x, w]))
+
+
+def test_nested_selective_regions_follow_their_tapes():
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+
+    def inner(t):
+        return (t @ w2 + 1).relu()
+
+    def outer(t):
+        h = (t @ w1).sin()
+        return remat.checkpoint(inner, h, policy=save_matmuls).cos()
+
+    expected = grads(lambda: outer(x).sum(), [x, w1, w2])
+    for _ in range(3):
+        got = grads(lambda: remat.checkpoint(outer, x, policy=save_matmuls).sum(), [x, w1, w2])
+        assert_bitwise(expected[1], got[1])
+
+
+def test_the_demo_gpt_with_dropout_trains_bitwise_over_steps():
+    from remat.models import GPT, Block, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dropout=0.1)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    model = GPT(cfg)
+    model.load_state_dict(reference.state_dict())
+    remat.apply_activation_checkpointing(
+        model, check_fn=lambda m: isinstance(m, Block),
+        checkpoint_wrapper_fn=lambda m: remat.checkpoint_wrapper(
+            m, checkpoint_fn=lambda fn, *a: remat.checkpoint(fn, *a, policy=save_matmuls)))
+    tokens, targets = synthetic_batch(cfg, 4)
+    for step in range(3):
+        expected = grads(lambda: reference.loss(tokens, targets), list(reference.parameters()), seed=step)
+        got = grads(lambda: model.loss(tokens, targets), list(model.parameters()), seed=step)
+        assert torch.equal(expected[0], got[0])
+        assert_bitwise(expected[1], got[1])
