@@ -6,14 +6,22 @@ Run by hand (never in CI):
     python benchmarks/policies.py --models demo --repeats 21
     python benchmarks/policies.py --models tiny --repeats 41   # per-operator dispatch cost
 
-One policy throughout: keep the outputs of ``remat.policies.MATMUL_OPS``.  Variants:
+Two policies: keep the outputs of ``remat.policies.MATMUL_OPS``, or keep every op's output (nothing is
+recomputed, so what it costs above plain is the machinery alone).  Variants:
 
 * ``plain`` — no checkpointing; ``full`` — ``remat.checkpoint`` on every block;
 * ``torch-sac`` — ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with torch's
   ``create_selective_checkpoint_contexts`` and a policy function returning torch's ``CheckpointPolicy``;
 * ``remat-ctx`` — ``remat.checkpoint`` with remat's ``create_selective_checkpoint_contexts`` and the *same*
-  policy function (``context_fn=``);
-* ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers).
+  policy function (``context_fn=``): a policy function is asked on every call, so no tape;
+* ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers),
+  following each block's tape after its first call (:mod:`remat.policies.tape`);
+  ``remat-policy-recorded`` — the same under ``remat.policies.tapes(False)``: every call recorded;
+* ``torch-sac-all``, ``remat-all``, ``remat-all-recorded`` — the keep-everything policy, in torch's SAC,
+  in remat with tapes, and in remat with every call recorded.
+
+The table's last column is the host time per forward op above plain: (variant − plain) / the number of
+aten ops the plain forward runs — the per-op price of the machinery on the ``tiny`` model.
 
 Models: ``gpt`` (the ``remat bench`` case: 6 GPT blocks, d 256, 4 heads, seq 256, batch 8, dropout 0.1,
 random float input), ``demo`` (the ``remat demo`` defaults: ``remat.models.GPT`` with 4 blocks, d 128,
@@ -45,18 +53,30 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as torch_ckpt
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
+from remat import CheckpointPolicy
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
+from remat.policies import Policy, tapes
 from remat.policies.rules import MATMUL_OPS, save_matmuls
 from remat.tools.bench import Chain
 
-VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy")
+VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy", "remat-policy-recorded", "torch-sac-all",
+            "remat-all", "remat-all-recorded")
 
 
 def keep_matmuls(ctx, op, *args, **kwargs):
     """The policy function given to both torch's and remat's ``create_selective_checkpoint_contexts``."""
     return torch_ckpt.CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keep_everything(ctx, op, *args, **kwargs):
+    """torch's policy function that keeps every op's output."""
+    return torch_ckpt.CheckpointPolicy.MUST_SAVE
+
+
+save_everything = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE, name="save everything")
 
 
 class _Wrapped(nn.Module):
@@ -80,16 +100,37 @@ def _remat_ctx(block, x):
                                                                    keep_matmuls))
 
 
-_RUNS = {"full": remat.checkpoint, "torch-sac": _torch_sac, "remat-ctx": _remat_ctx}
+def _torch_sac_all(block, x):
+    context = functools.partial(torch_ckpt.create_selective_checkpoint_contexts, keep_everything)
+    return torch_ckpt.checkpoint(block, x, use_reentrant=False, context_fn=context)
+
+
+def _remat_all(block, x):
+    return remat.checkpoint(block, x, policy=save_everything)
+
+
+def _recorded(run: Callable) -> Callable:
+    def recorded(block, x):
+        with tapes(False):
+            return run(block, x)
+
+    return recorded
+
+
+_RUNS = {"full": remat.checkpoint, "torch-sac": _torch_sac, "remat-ctx": _remat_ctx, "torch-sac-all": _torch_sac_all,
+         "remat-all": _remat_all, "remat-all-recorded": _recorded(_remat_all)}
 
 
 def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
     """A copy of ``model`` whose blocks run under ``variant``."""
     model = copy.deepcopy(model)
     blocks = getattr(model, blocks_attr)
-    if variant == "remat-policy":
+    if variant in ("remat-policy", "remat-policy-recorded"):
         chosen = {id(block) for block in blocks}
         remat.apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, policy=save_matmuls)
+        if variant == "remat-policy-recorded":
+            for i, block in enumerate(blocks):
+                blocks[i] = _Wrapped(block, _recorded(lambda b, x: b(x)))
     elif variant != "plain":
         for i, block in enumerate(blocks):
             blocks[i] = _Wrapped(block, _RUNS[variant])
@@ -145,6 +186,23 @@ def _models() -> dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], t
     return {"gpt": gpt, "demo": demo, "tiny": tiny}
 
 
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_ops(model: nn.Module, loss: Callable) -> int:
+    """The number of aten ops one forward of ``model`` (plain) runs."""
+    with torch.no_grad(), _CountOps() as counter:
+        loss(model)
+    return counter.count
+
+
 def _step(model: nn.Module, loss: Callable, seed: int) -> None:
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
@@ -182,7 +240,7 @@ def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: 
             elapsed = now() - start
             if round_index >= warmup:
                 times[v].append(elapsed)
-    result = {"description": description, "variants": {}}
+    result = {"description": description, "forward_ops": _forward_ops(models[variants[0]], loss), "variants": {}}
     for v in variants:
         memory = remat.measure_step(functools.partial(_step, models[v], loss, 0), models[v])
         entry = {"median_ms": statistics.median(times[v]) * 1e3, "peak_above_params": memory.peak_above_params}
@@ -191,6 +249,10 @@ def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: 
                 ratios = [a / b for a, b in zip(times[v], times[against])]
                 entry[f"ratio_to_{against}"] = _quartiles(ratios)
         result["variants"][v] = entry
+    if "plain" in times:
+        for entry in result["variants"].values():
+            entry["host_us_per_op"] = (entry["median_ms"] - result["variants"]["plain"]["median_ms"]) * 1e3 \
+                / result["forward_ops"]
     return result
 
 
@@ -204,15 +266,17 @@ def _ratio_cell(entry: dict, key: str) -> str:
 def format_table(results: dict) -> str:
     """One markdown row per (model, variant)."""
     lines = [
-        "| model | variant | median ms | / torch-sac (IQR) | / full (IQR) | / plain (IQR) | peak above params MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | variant | median ms | / torch-sac (IQR) | / full (IQR) | / plain (IQR) | peak above params MiB "
+        "| µs per forward op above plain |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results["models"].items():
         for v, entry in res["variants"].items():
+            per_op = f"{entry['host_us_per_op']:.1f}" if "host_us_per_op" in entry else "-"
             lines.append(
                 f"| {name} | {v} | {entry['median_ms']:.1f} | {_ratio_cell(entry, 'ratio_to_torch-sac')} | "
                 f"{_ratio_cell(entry, 'ratio_to_full')} | {_ratio_cell(entry, 'ratio_to_plain')} | "
-                f"{entry['peak_above_params'] / 2**20:.2f} |"
+                f"{entry['peak_above_params'] / 2**20:.2f} | {per_op} |"
             )
     return "\n".join(lines)
 

@@ -231,8 +231,10 @@ class _Forward:
         if key is None:
             return None
         tape = book.tapes.get(key, _Learner)
-        if tape is None or tape is _Learner:  # recorded: this region has no tape, or is about to learn it
-            self.recorder.learner = _Learner(store, book if tape is _Learner else None, key)
+        if tape is None:
+            return None  # a region that cannot have a tape is recorded on every call, as without tapes
+        if tape is _Learner:  # recorded once more, to learn the tape
+            self.recorder.learner = _Learner(store, book, key)
             return self.recorder.learner.hold
         self.follower = _Follower(tape)
         return self.follower.hold
