@@ -227,14 +227,14 @@ class _Forward:
         if not store.by_rules or store.recent is not None:
             return None  # a policy function may decide on anything; names are decided in forward
         book = _book_for(store.policy)
-        key = _region_key(fn, leaves, tensors, state) if book is not None else None
+        key, anchor = _region_key(fn, leaves, tensors, state) if book is not None else (None, None)
         if key is None:
             return None
-        tape = book.tapes.get(key, _Learner)
+        tape = book.lookup(key, anchor)
         if tape is None:
             return None  # a region that cannot have a tape is recorded on every call, as without tapes
         if tape is _Learner:  # recorded once more, to learn the tape
-            self.recorder.learner = _Learner(store, book, key)
+            self.recorder.learner = _Learner(store, book, key, anchor)
             return self.recorder.learner.hold
         self.follower = _Follower(tape)
         return self.follower.hold

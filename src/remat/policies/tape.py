@@ -99,9 +99,18 @@ class _Tape:
 
 @dataclass
 class _Book:
-    """The tapes of one policy, by region key; None marks a region that cannot have one."""
+    """The tapes of one policy, by region key, each with a weak reference to the function the key names by
+    address (so a later function at the same address is not taken for it); None marks a region that cannot
+    have a tape."""
 
-    tapes: dict[Any, _Tape | None] = field(default_factory=dict)
+    tapes: dict[Any, tuple[weakref.ref, _Tape | None]] = field(default_factory=dict)
+
+    def lookup(self, key: Any, anchor: Any) -> _Tape | None | type:
+        """The tape filed under ``key`` for ``anchor``; ``_Learner`` where none is filed yet."""
+        entry = self.tapes.get(key)
+        if entry is None or entry[0]() is not anchor:
+            return _Learner
+        return entry[1]
 
 
 _books: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -116,18 +125,25 @@ def _book_for(policy: Any) -> _Book | None:
     return book
 
 
-def _region_key(fn: Callable, leaves: list[Any], tensors: list[torch.Tensor], state: Any) -> Any:
-    """What must be equal for two calls of a region to share a tape; None where it cannot be told."""
-    owner = getattr(fn, "__self__", None)
-    function = getattr(fn, "__func__", fn)
+def _region_key(fn: Callable, leaves: list[Any], tensors: list[torch.Tensor], state: Any) -> tuple[Any, Any]:
+    """What must be equal for two calls of a region to share a tape, and the object it names by address
+    (the module or function that runs); ``(None, None)`` where it cannot be told."""
+    while hasattr(fn, "__wrapped__"):  # a module wrapper made afresh per call names the module it runs
+        fn = fn.__wrapped__
+    anchor = getattr(fn, "__self__", fn)
     plain = []
     for leaf in leaves:
         if leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device)):
             plain.append(leaf)
         else:
-            return None  # an object the region may read state from: no tape
+            return None, None  # an object the region may read state from: no tape
+    try:
+        weakref.ref(anchor)
+    except TypeError:
+        return None, None
     shapes = tuple((t.shape, t.dtype, t.device, t.stride(), t.requires_grad) for t in tensors)
-    return (id(owner), function, tuple(plain), shapes, state.cpu_autocast, state.device_autocast)
+    function = getattr(fn, "__func__", None)
+    return (id(anchor), id(function), tuple(plain), shapes, state.cpu_autocast, state.device_autocast), anchor
 
 
 def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -142,8 +158,8 @@ class _Learner:
     """Holds, while the recording forward runs, the saved tensors the policy keeps (or that come from
     outside), and writes the region's tape into ``book`` (None there: a region that cannot have one)."""
 
-    def __init__(self, store: Any, book: _Book, key: Any) -> None:
-        self.store, self.book, self.key = store, book, key
+    def __init__(self, store: Any, book: _Book, key: Any, anchor: Any) -> None:
+        self.store, self.book, self.key, self.anchor = store, book, key, anchor
         # storage -> (its bytes, slot and call of the op that allocated it, output leaf, output geometry)
         self.made: dict[tuple[str, int], tuple[int, Any, int, int, Any]] = {}
         self.drawn: set[tuple[str, int]] = set()
@@ -288,7 +304,7 @@ class _Learner:
         tapes = self.book.tapes
         if len(tapes) >= _BOOK_SIZE:
             tapes.pop(next(iter(tapes)))
-        tapes[self.key] = tape
+        tapes[self.key] = (weakref.ref(self.anchor), tape)
 
 
 class _Follower:
