@@ -8,6 +8,21 @@ import sys
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the calls of the ops in ``ops`` while active (``.count``)."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.ops
+        return func(*args, **(kwargs or {}))
 
 
 class MLPBlock(nn.Module):

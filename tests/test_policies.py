@@ -4,24 +4,11 @@ import functools
 
 import pytest
 import torch
-from helpers import MLPStack, assert_bitwise, grads
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import MM, CountOps, MLPStack, assert_bitwise, grads
 
 import remat
 from remat import CheckpointPolicy
 from remat.policies.rules import offload_names, save_all_but_names, save_matmuls, save_names, save_nothing
-
-MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self, ops):
-        super().__init__()
-        self.ops, self.count = ops, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.ops
-        return func(*args, **(kwargs or {}))
 
 
 def two_matmuls(x, w1, w2):

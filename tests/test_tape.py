@@ -8,26 +8,13 @@ import functools
 
 import pytest
 import torch
-from helpers import MLPStack, assert_bitwise, grads
+from helpers import MM, CountOps, MLPStack, assert_bitwise, grads
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import CheckpointPolicy
 from remat.policies import Policy, save_matmuls, tapes
 from remat.policies.tape import _books
-
-MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self, ops):
-        super().__init__()
-        self.ops, self.count = ops, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.ops
-        return func(*args, **(kwargs or {}))
 
 
 def _counting(policy_rule):
