@@ -26,9 +26,9 @@ with ``tapes(False)``.
 
 Tapes are used for :class:`~remat.policies.Policy` objects (op and call rules: pure functions of the op and
 its call index) without name rules.  A region keeps the dispatch mode on every call where its policy keeps an
-in-place random draw (dropout's mask on CPU, kept by value) or offloads, or where recomputation would read a
-kept output that no saved tensor and no module output reaches (following the tape would rerun that op).
-A kept output nothing reads in recomputation is not captured: following the tape, it is not held at all.
+in-place random draw (dropout's mask on CPU, kept by value) or offloads, or where a kept output that no saved
+tensor and no module output reaches comes before the replay's end (following the tape, the replay would rerun
+an op the recording serves).  One past that end is never read in backward: following the tape, it is not held.
 
 Example:
     >>> y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)  # records, learns the tape
@@ -163,9 +163,10 @@ class _Learner:
         # storage -> (its bytes, slot and call of the op that allocated it, output leaf, output geometry)
         self.made: dict[tuple[str, int], tuple[int, Any, int, int, Any]] = {}
         self.drawn: set[tuple[str, int]] = set()
-        # op call -> the op calls whose outputs it read; the op calls a dropped saved tensor comes from
-        self.deps: dict[tuple[int, int], set[tuple[int, int]]] = {}
-        self.dropped: list[tuple[int, int]] = []
+        # op call -> its position in the forward; the replay reruns every op before the last dropped pack
+        self.position: dict[tuple[int, int], int] = {}
+        self.ops_run = 0
+        self.replay_end = 0
         self.packs: list[tuple[torch.Size, torch.dtype, int, Any]] = []
         self.module_outputs: list[list[tuple[int, _Source]]] = []
         self.hook: Any = None
@@ -178,7 +179,7 @@ class _Learner:
         if not failed:
             self._write()
         # Autograd keeps the forward's pack hook, and with it this learner, as long as the graph lives.
-        self.made, self.packs, self.module_outputs, self.deps, self.dropped = {}, [], [], {}, []
+        self.made, self.packs, self.module_outputs, self.position = {}, [], [], {}
 
     def output(self, out: Any, slot: Any, call: int, args: tuple) -> None:
         """An op ran under the recording mode: remember which storages it allocated.
@@ -186,21 +187,16 @@ class _Learner:
         An allocating op's storage is new, so an address seen before was freed and is taken over.  Python
         wrappers of intermediate tensors die while autograd still holds them, so liveness is not asked.
         """
+        self.ops_run += 1
         traits = _traits(slot.op)
         if traits & _RANDOM_WRITE and isinstance(out, torch.Tensor):
             # What an in-place draw wrote is kept as a private copy, if at all: holding the saved tensor too
             # would keep it twice.
             self.drawn.add(_storage_key(out))
-        inputs = {_storage_key(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
-        producers = {(id(self.made[k][1].op), self.made[k][2]) for k in inputs if k in self.made}
         if traits & _VIEW_OR_INPLACE:
-            # Its outputs alias its inputs (a parameter's transpose is the parameter's storage); an in-place
-            # op makes what it wrote depend on its other inputs too.
-            written = self.made.get(_storage_key(out)) if isinstance(out, torch.Tensor) else None
-            if written is not None:
-                self.deps.setdefault((id(written[1].op), written[2]), set()).update(producers)
-            return
-        self.deps[(id(slot.op), call)] = producers
+            return  # its outputs alias its inputs (a parameter's transpose is the parameter's storage)
+        inputs = {_storage_key(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
+        self.position[(id(slot.op), call)] = self.ops_run
         leaves = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for leaf, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -209,7 +205,7 @@ class _Learner:
                 if storage.nbytes() and key not in inputs:  # _unsafe_view returns its input's storage unannotated
                     self.made[key] = (storage.nbytes(), slot, call, leaf, _geometry(t))
 
-    def _source(self, t: torch.Tensor, saved: bool = True) -> Any:
+    def _source(self, t: torch.Tensor) -> Any:
         if t.device.type == "meta":
             return None
         key = _storage_key(t)
@@ -221,8 +217,6 @@ class _Learner:
         _, slot, call, leaf, geometry = seen
         kept = slot.kept.get(call)
         if kept is None or (isinstance(kept, _Draw) and kept.target is not None):
-            if saved:
-                self.dropped.append((id(slot.op), call))
             return None  # recomputed, or kept as a private copy (an in-place draw): the storage is not kept
         if any(k.offloaded for k in kept.tensors()):
             return None  # kept in host memory: holding it on the device would undo the offload
@@ -231,6 +225,8 @@ class _Learner:
     def hold(self, index: int, t: torch.Tensor) -> bool:
         source = self._source(t)
         self.packs.append((t.shape, t.dtype, t._version, source))
+        if source is None:
+            self.replay_end = self.ops_run + 1  # the pack may come before or after its op's output is seen
         return source is not None
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
@@ -238,7 +234,7 @@ class _Learner:
         leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
         for leaf, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
-                source = self._source(t, saved=False)
+                source = self._source(t)
                 if isinstance(source, _Source):
                     found.append((leaf, source))
         self.module_outputs.append(found)
@@ -257,7 +253,7 @@ class _Learner:
             if wanted:
                 modules[number] = wanted
                 reached.update((id(s.op), s.call, s.leaf) for _, s in wanted)
-        outputs, unreached = {}, set()
+        outputs = {}
         for slot in store.slots.values():
             for call, kept in slot.kept.items():
                 if isinstance(kept, _Draw):
@@ -269,27 +265,14 @@ class _Learner:
                 leaves, spec = tree_flatten(kept.structure if isinstance(kept, _KeptOutputs) else kept)
                 if any(isinstance(item, _Kept) and (id(slot.op), call, leaf) not in reached
                        for leaf, item in enumerate(leaves)):
-                    unreached.add((id(slot.op), call))  # neither saved nor a module's output
+                    # Neither saved nor a module's output: the follower cannot capture it.  The replay would
+                    # then run an op the recording serves (time, and bytes the plan counts, would differ).
+                    if self.position.get((id(slot.op), call), 0) < self.replay_end:
+                        return self._refuse()
                     continue
                 outputs[(id(slot.op), call)] = (spec, [_TENSOR if isinstance(item, _Kept) else item for item in leaves])
-        if unreached and self._recomputation_reads(unreached, outputs):
-            return self._refuse()  # following the tape would rerun an op the policy keeps
         slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
         self._file(_Tape(packs, modules, slots, outputs))
-
-    def _recomputation_reads(self, unreached: set, served: dict) -> bool:
-        """Whether recomputing the dropped saved tensors reads a kept output the tape cannot capture (a kept
-        output nothing reads in recomputation, like one every reader of which saves its own, is harmless)."""
-        stack, seen = list(self.dropped), set()
-        while stack:
-            node = stack.pop()
-            if node in seen or node in served:
-                continue  # served outputs end the walk: recomputation starts from them
-            if node in unreached:
-                return True
-            seen.add(node)
-            stack.extend(self.deps.get(node, ()))
-        return False
 
     @staticmethod
     def _still_kept(source: Any, kept_calls: dict) -> Any:
