@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from helpers import leave_process_group
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import remat
@@ -109,10 +110,12 @@ def main(report_path: str) -> None:
     def fsdp_gather(model):
         return {n: p.grad.full_tensor().clone() for n, p in _names(model).items()}
 
+    # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one (rank 1 of one GPU fails).
+    mesh = init_device_mesh("cpu", (world,))
     model = _checkpointed(state)
     for block in model.blocks:
-        fully_shard(block)  # checkpoint wrapper first, then shard each block, then the root
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)  # checkpoint wrapper first, then shard each block, then the root
+    fully_shard(model, mesh=mesh)
     results["fsdp2"] = _train(model, rank, world, fsdp_gather)
 
     report = {}

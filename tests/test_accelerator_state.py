@@ -10,6 +10,8 @@ import remat
 def fake_cuda(monkeypatch):
     """CUDA as the default accelerator, with a switch for whether its context is up."""
     state = {"up": True}
+    if torch.cuda.is_available():
+        torch.cuda.init()  # a real device's generators exist then, whatever the fake says about its context
     monkeypatch.setattr(remat.DefaultDeviceType, "_device_type", "cuda")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state["up"])
     return state
