@@ -53,7 +53,8 @@ class FakeDevice:
     h2d_bytes_per_s: float = 2.0 ** 30
     now: float = 0.0
     compute: FakeStream = field(default_factory=lambda: FakeStream("compute"))
-    side: FakeStream = field(default_factory=lambda: FakeStream("side"))
+    side: FakeStream = field(default_factory=lambda: FakeStream("side"))  # copies out
+    back: FakeStream = field(default_factory=lambda: FakeStream("back"))  # copies back
     log: list = field(default_factory=list)
     copies: list[Copy] = field(default_factory=list)
 
@@ -64,8 +65,15 @@ class FakeDevice:
     def current_stream(self, device: torch.device) -> FakeStream:
         return self.compute
 
-    def side_stream(self, device: torch.device) -> FakeStream:
-        return self.side
+    def side_stream(self, device: torch.device, to_host: bool = True) -> FakeStream:
+        return self.side if to_host else self.back
+
+    def empty(self, nbytes: int, device: torch.device, stream: FakeStream) -> torch.Tensor:
+        self.log.append(("empty", stream.name))
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def host_wait(self, event: FakeEvent) -> None:
+        event.synchronize()
 
     def wait_stream(self, waiter: FakeStream, stream: FakeStream) -> None:
         self.log.append(("wait_stream", waiter.name, stream.name))
@@ -97,7 +105,8 @@ class FakeDevice:
 
     def advance(self, seconds: float | None = None) -> None:
         """Move the host clock by ``seconds``, or to when every stream is idle."""
-        self.now = self.now + seconds if seconds is not None else max(self.now, self.compute.ready, self.side.ready)
+        idle = max(self.now, self.compute.ready, self.side.ready, self.back.ready)
+        self.now = self.now + seconds if seconds is not None else idle
 
     def calls(self, name: str) -> list[tuple]:
         return [entry for entry in self.log if entry[0] == name]

@@ -103,3 +103,27 @@ def test_no_host_synchronization_once_the_pool_is_warm(engine, entry):
             torch.autograd.grad(ENTRY_POINTS[entry](model, x).sum(), params)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("limit_mib", [32, 128])
+def test_copies_in_flight_bound_the_forward_peak_on_cuda(engine, limit_mib):
+    # 32 saved tensors of 16 MiB: the kernels make them far faster than the link copies them, so without a
+    # bound on the copies in flight the forward would hold nearly all of them (512 MiB).
+    engine.in_flight_limit = limit_mib << 20
+    x = torch.randn(4096, 1024, device="cuda", requires_grad=True)
+    for _ in range(2):  # the first step fills the pinned pool
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with remat.offload(min_bytes=0, device_type="cuda") as off:
+            y = x
+            for _ in range(32):
+                y = y.sin()  # saves its input
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        y.sum().backward()
+        x.grad = None
+        del y
+    assert off.stats.offloaded_tensors == 32
+    # the window, plus the tensor being made and the one just saved (and their copies' rounding)
+    assert peak <= (limit_mib + 3 * 16) << 20, peak / 2**20

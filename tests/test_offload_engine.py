@@ -161,8 +161,11 @@ def test_copies_out_follow_their_producers_and_overlap_compute(fake):
     assert not fake.calls("host waits") and not fake.calls("wait_event")
 
 
-@pytest.mark.parametrize("depth, stall", [(0, 6 / 16), (1, 1 / 16), (2, 1 / 16)])
-def test_prefetch_hides_copies_back_behind_backward_compute(fake, depth, stall):
+@pytest.mark.parametrize("depth, paced, stall", [(0, True, 6 / 16), (1, True, 1 / 16), (2, True, 1 / 16),
+                                                 (0, False, 1 / 16)])
+def test_prefetch_hides_copies_back_behind_backward_compute(fake, depth, paced, stall):
+    # paced: the host keeps pace with the device (it waits for each layer), so only prefetch copies ahead;
+    # otherwise the host runs ahead and its fetches alone queue the copies back early (they wait for no compute).
     engine, n, layer = fake.engine, 6, 1 / 8
     fake.d2h_bytes_per_s = fake.h2d_bytes_per_s = 2.0 ** 20  # 1/16 s per copy, less than a layer's 1/8 s
     handles = [engine.stash(torch.randn(16384)) for _ in range(n)]
@@ -171,9 +174,12 @@ def test_prefetch_hides_copies_back_behind_backward_compute(fake, depth, stall):
     for handle in reversed(handles):  # backward: last saved, first needed
         tensor = engine.fetch(handle, prefetch=depth)
         event = handle.event
-        assert fake.log[-1] == ("wait_event", "compute", event)  # the compute stream waits for the copy back
+        # The compute stream waits for the copy back, and the memory is marked as used by it.
+        assert fake.log[-2:] == [("wait_event", "compute", event), ("record_stream", "compute", tensor.data_ptr())]
         assert fake.compute.ready >= event.time and tensor.numel() == 16384
         fake.run(layer)
+        if paced:
+            fake.now = fake.compute.ready
     assert fake.compute.ready - start - n * layer == stall
     assert not fake.calls("host waits")
 
@@ -255,17 +261,24 @@ def test_torch_device_drives_a_torch_style_module(monkeypatch):
         engine.collect()
     assert_bitwise(expected[1], got)
     log, n = module.log, off.stats.offloaded_tensors
-    assert module.created == 1 and not [e for e in log if e[0] == "host waits"]
-    # Each copy, out or back: the side stream waits for the compute stream, the copy runs with the side
-    # stream current and records its event there, and the memory it touches is marked as used by the side stream.
-    copies = [i for i, e in enumerate(log) if e == ("enter", "side1")]
-    assert len(copies) == 2 * n
-    for i in copies:
+    assert module.created == 2 and not [e for e in log if e[0] == "host waits"]
+    # Each copy out: the outbound stream waits for the compute stream, the copy runs with that stream current
+    # and records its event there, and the source's memory is marked as used by it.
+    out = [i for i, e in enumerate(log) if e == ("enter", "side1")]
+    assert len(out) == n
+    for i in out:
         assert log[i - 1] == ("wait_stream", "side1", "default")
         assert log[i + 1: i + 4] == [("record_event", "side1", "side1"), ("exit", "side1"),
                                      ("record_stream", "side1")]
-    # Each tensor is used only after the compute stream waited for its copy back.
-    assert len([e for e in log if e == ("wait_event", "default", "side1")]) == n
+    # Each copy back: memory allocated on the inbound stream, which then waits for that tensor's copy out only.
+    back = [i for i, e in enumerate(log) if e == ("wait_event", "side2", "side1")]
+    assert len(back) == n
+    for i in back:
+        assert log[i - 2: i] == [("enter", "side2"), ("exit", "side2")]
+        assert log[i + 1: i + 4] == [("enter", "side2"), ("record_event", "side2", "side2"), ("exit", "side2")]
+    # Each tensor is used only after the compute stream waited for its copy back, and is marked as used there.
+    waits = [i for i, e in enumerate(log) if e == ("wait_event", "default", "side2")]
+    assert len(waits) == n and all(log[i + 1] == ("record_stream", "default") for i in waits)
     assert off.pool.in_use_bytes == 0 and off.pool.free_bytes == off.pool.allocated_bytes
 
 
@@ -299,3 +312,29 @@ def test_a_recomputation_brings_back_only_its_own_offloaded_outputs():
         x = torch.randn(8, 16, requires_grad=True)
         model(x, wrap=wrap).sum().backward()
     assert len({r for r, _ in handles}) == 4 and sum(not c.to_host for c in fake.copies) == len(handles)
+
+
+def test_copies_in_flight_are_bounded_by_a_host_wait_for_the_oldest(fake):
+    engine, n = fake.engine, 8
+    fake.d2h_bytes_per_s = 2.0 ** 20  # 1/16 s per 64 KiB copy; the compute makes one every 1/64 s
+    engine.in_flight_limit = 3 * 65536
+    for _ in range(n):
+        fake.run(1 / 64)
+        fake.now = fake.compute.ready  # the host keeps pace with the compute it issues
+        engine.stash(torch.randn(16384))
+        # Once the window is full, the host waited for the oldest copy out: at most the limit is in flight.
+        unfinished = [c for c in fake.copies if c.to_host and c.end > fake.now]
+        assert sum(c.nbytes for c in unfinished) <= engine.in_flight_limit
+    waits = fake.calls("host waits")
+    assert len(waits) == n - 3  # the fourth copy and each after it waited for one that was three older
+    assert [w[1].copy for w in waits] == list(range(n - 3))
+
+
+def test_copies_back_do_not_queue_behind_copies_out(fake):
+    engine = fake.engine
+    fake.d2h_bytes_per_s = fake.h2d_bytes_per_s = 2.0 ** 20  # 1/16 s per copy
+    handles = [engine.stash(torch.randn(16384)) for _ in range(4)]
+    engine.fetch(handles[0])  # needed while the later copies out still run
+    back = next(c for c in fake.copies if not c.to_host)
+    assert back.start == 1 / 16  # right after its own copy out, not after all four (4/16)
+    assert max(c.end for c in fake.copies if c.to_host) == 4 / 16

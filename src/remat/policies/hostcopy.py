@@ -3,12 +3,20 @@
 One :class:`HostCopies` per device type serves ``remat.offload``, ``offload_wrapper``,
 ``remat.save_on_cpu`` and a policy's CPU_OFFLOAD alike:
 
-* **Side stream, ordered by events.** A copy out waits (on the device) for the compute stream to reach the
-  point where the tensor was saved, runs on a side stream, and the source is marked as used by that stream
-  (``record_stream``) so the allocator cannot hand its memory out before the copy has read it.  A copy back
-  goes into memory allocated on the compute stream and the compute stream waits on the copy's event before
-  the tensor is used.  The host never waits: nothing on these paths synchronizes (once the pool holds a step's
-  blocks: allocating pinned memory itself can stall the device, so the first step pays for it).
+* **A side stream each way, ordered by events.** A copy out waits (on the device) for the compute stream to
+  reach the point where the tensor was saved, runs on the outbound stream, and the source is marked as used by
+  that stream (``record_stream``) so the allocator cannot hand its memory out before the copy has read it.  A
+  copy back waits only for that tensor's copy out, runs on the inbound stream into memory allocated there, and
+  the compute stream waits on its event before the tensor is used (which marks the memory as used by the
+  compute stream).  Copies out and back share no queue, so backward's copies back never wait behind forward's
+  last copies out, and the link's two directions run at once.
+* **Bounded copies in flight.** Forward makes activations faster than a host link moves them (an H100 layer
+  computes in ~2 ms what takes ~14 ms to copy); the memory of a tensor being copied cannot be reused until the
+  allocator sees its copy complete, so a forward far ahead of its copies holds them all.  Once more than
+  ``in_flight_limit`` bytes are being copied out, the host waits for the oldest copy (an event, not a device
+  synchronize): the device keeps computing what was queued, and the step's peak stays the kept tensors plus
+  that window.  Otherwise nothing on these paths waits on the host (once the pool holds a step's blocks:
+  allocating pinned memory itself can stall the device, so the first step pays for it).
 * **A pinned pool** (:class:`~remat.policies.hostpool.HostPool`) reused across steps, by size class; a block
   returns to it with its last copy's event and is reused only once that event has completed, asked lazily.
 * **Prefetch in backward order**: fetching the tensor saved n-th starts the copies back of the live tensors
@@ -36,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -46,6 +55,7 @@ from .hostpool import HostPool
 __all__ = ["HostCopies", "HostDevice", "Stashed", "TorchDevice", "engine_for", "use_device_model"]
 
 _ALIGN = 512  # the CUDA caching allocator's block alignment: kernels may pick their path by pointer alignment
+_IN_FLIGHT_LIMIT = 256 << 20  # ~5 ms of copying at 50 GB/s: enough to keep the link busy
 _python_dispatch_off = torch._C._DisableTorchDispatch
 
 
@@ -58,16 +68,23 @@ class TorchDevice:
 
     def __init__(self, module: Any) -> None:
         self.module = module
-        self._side: dict[int, Any] = {}
+        self._side: dict[tuple[int | None, bool], Any] = {}
 
     def current_stream(self, device: torch.device) -> Any:
         return self.module.current_stream(device)
 
-    def side_stream(self, device: torch.device) -> Any:
-        stream = self._side.get(device.index)
+    def side_stream(self, device: torch.device, to_host: bool = True) -> Any:
+        stream = self._side.get((device.index, to_host))
         if stream is None:
-            stream = self._side[device.index] = self.module.Stream(device=device)
+            stream = self._side[(device.index, to_host)] = self.module.Stream(device=device)
         return stream
+
+    def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        with self.module.stream(stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def host_wait(self, event: Any) -> None:
+        event.synchronize()
 
     def wait_stream(self, waiter: Any, stream: Any) -> None:
         waiter.wait_stream(stream)
@@ -99,7 +116,14 @@ class HostDevice:
     def current_stream(self, device: torch.device) -> None:
         return None
 
-    side_stream = current_stream
+    def side_stream(self, device: torch.device, to_host: bool = True) -> None:
+        return None
+
+    def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def host_wait(self, event: Any) -> None:
+        pass
 
     def wait_stream(self, waiter: Any, stream: Any) -> None:
         pass
@@ -193,6 +217,9 @@ class HostCopies:
         self._order = 0
         self._unfetched: dict[int, weakref.ref[Stashed]] = {}  # by save order, for prefetch
         self._sweep_at = 64
+        self.in_flight_limit = _IN_FLIGHT_LIMIT
+        self._in_flight: deque[tuple[Any, int]] = deque()  # copies out not yet seen complete: event, bytes
+        self._in_flight_bytes = 0
 
     def pool(self, pinned: bool = True) -> HostPool:
         """The pool of pinned (or pageable) host blocks."""
@@ -214,7 +241,7 @@ class HostCopies:
                 block = pool.take(layout.nbytes)
                 self._order += 1
                 order = self._order
-            side = model.side_stream(tensor.device)
+            side = model.side_stream(tensor.device, to_host=True)
             # The side stream must see the producer's writes before it reads.
             model.wait_stream(side, model.current_stream(tensor.device))
             dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
@@ -227,7 +254,25 @@ class HostCopies:
                 self._unfetched[order] = weakref.ref(handle)
                 if len(self._unfetched) >= self._sweep_at:
                     self._sweep()
+                late = self._throttle(event, layout.nbytes)
+            if late is not None:
+                model.host_wait(late)
         return handle
+
+    def _throttle(self, event: Any, nbytes: int) -> Any:
+        """Count a copy out in flight; the event to wait for if the window is over its limit (else None)."""
+        self._in_flight.append((event, nbytes))
+        self._in_flight_bytes += nbytes
+        late = None
+        while self._in_flight:
+            over = self._in_flight_bytes > self.in_flight_limit
+            if not over and not self.model.done(self._in_flight[0][0]):
+                break
+            oldest, size = self._in_flight.popleft()
+            self._in_flight_bytes -= size
+            if over:
+                late = oldest  # copies out complete in order: waiting for the newest such is enough
+        return late
 
     def fetch(self, handle: Stashed, prefetch: int = 0) -> torch.Tensor:
         """``handle``'s tensor back on its device, usable on the current stream; starts the copies back of the
@@ -243,6 +288,8 @@ class HostCopies:
         current = self.model.current_stream(handle.device)
         self.model.wait_event(current, handle.event)
         tensor, handle.on_device = handle.on_device, None  # not held here: a second backward copies again
+        with _python_dispatch_off():
+            self.model.record_stream(tensor, current)  # allocated on the inbound stream, used on this one
         return tensor
 
     def prefetch(self, handles: Iterable[Stashed]) -> None:
@@ -279,14 +326,13 @@ class HostCopies:
     def _copy_back(self, handle: Stashed) -> None:
         layout, model = handle.layout, self.model
         with _python_dispatch_off(), torch.no_grad():
-            current, side = model.current_stream(handle.device), model.side_stream(handle.device)
-            # Allocated on the compute stream, written on the side stream: the side stream waits for the compute
-            # work queued so far (which may still use this memory) and marks the memory as its own use.
-            raw = torch.empty(layout.pad + layout.nbytes, dtype=torch.uint8, device=handle.device)
-            model.wait_stream(side, current)
+            # Allocated on the inbound stream and written there after the tensor's copy out: it waits for
+            # nothing the compute stream does (its memory was last used on this stream, in order).
+            inbound = model.side_stream(handle.device, to_host=False)
+            raw = model.empty(layout.pad + layout.nbytes, handle.device, inbound)
+            model.wait_event(inbound, handle.event)
             flat = raw[layout.pad:].view(layout.dtype)
-            handle.event = model.copy(flat, handle.block[: layout.nbytes].view(layout.dtype), side, False)
-            model.record_stream(raw, side)
+            handle.event = model.copy(flat, handle.block[: layout.nbytes].view(layout.dtype), inbound, False)
             handle.on_device = layout.place(flat)
 
     def _preceding(self, order: int, count: int) -> list[Stashed]:
