@@ -107,6 +107,25 @@ def test_time_ops_takes_kernels_from_the_device_and_host_work_apart(device):
     assert times.wall == [max(h, d) for h, d in zip(times.host, times.device)]
 
 
+def test_launch_gaps_the_stopwatch_opens_are_taken_out_of_kernel_times(device, monkeypatch):
+    # Each recorded event leaves the device idle for `gap` (the host's Python work before the next launch):
+    # watched, every op's events bracket its kernel and one gap; the unwatched run has one gap in all.
+    gap = 1e-4
+    record = FakeEvent.record
+
+    def record_then_idle(event):
+        record(event)
+        device.now += gap
+
+    monkeypatch.setattr(FakeEvent, "record", record_then_idle)
+    block, n, x = Scripted(), 4, torch.ones(4)
+    times = time_ops(lambda: block(x), n, Clock("cuda"), 2, lambda: (contextlib.nullcontext(),) * 2)
+    assert times.forward == pytest.approx(sum(Scripted.SECONDS) + gap, abs=1e-12)
+    assert sum(times.device) == pytest.approx(times.forward, rel=1e-9)
+    # Three quarters of each op's gap comes out (the unwatched run's one gap is shared among the four ops).
+    assert times.device == pytest.approx([s + gap / 4 for s in (*Scripted.SECONDS, 0.0)], abs=1e-9)
+
+
 def test_profile_ops_times_a_block_on_the_accelerator_clock(device, monkeypatch):
     monkeypatch.setattr(opgraph, "device_of", lambda tensors: "cuda")
     fixed = Overheads(region=0.0, per_saved=0.0, policy_forward=0.0, policy_replay=0.0, copy_per_byte=0.0)
@@ -145,13 +164,21 @@ def test_on_an_accelerator_policy_work_counts_only_where_the_device_waits():
     prices = BlockPrices(graph)
     no_kernel = sum(1 for n in graph.nodes if n.kind != "compute")
     no_kernel_rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "compute")
-    assert prices.checkpoint_time == pytest.approx(
-        o.region + o.per_saved * graph.saved_tensors + sum(max(host, n.kernel_time) for n in graph.nodes[:stop]))
+    # The region's own machinery (host work) hides behind the rerun's kernels too.
+    assert prices.checkpoint_time == pytest.approx(sum(max(host, n.kernel_time) for n in graph.nodes[:stop]))
     # Only ops without a kernel make the device wait for the policy.
     assert prices.selective_time - prices.checkpoint_time == pytest.approx(
         no_kernel * o.policy_forward + no_kernel_rerun * o.policy_replay + o.policy_replay * graph.saved_needing_grad)
     # Keeping an op spares its kernel less the host work the replay still does for it.
     assert all(g == pytest.approx(kernel - host - o.policy_replay) for g in prices.gain.values())
+
+
+def test_on_an_accelerator_a_host_bound_rerun_pays_for_the_machinery():
+    host, kernel = 1e-3, 5e-6  # the host is the bottleneck: the device waits for all of its work
+    graph = _timed_graph(True, host, kernel)
+    o, stop = graph.overheads, graph.stop
+    assert BlockPrices(graph).checkpoint_time == pytest.approx(
+        o.region + o.per_saved * graph.saved_tensors + host * stop)
 
 
 def test_on_the_cpu_host_and_kernel_add_up():

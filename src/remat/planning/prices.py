@@ -58,8 +58,14 @@ class BlockPrices:
             return sum(op_cost(n.host_time + per_op, n.kernel_time, overlapped)
                        - op_cost(n.host_time, n.kernel_time, overlapped) for n in node_list)
 
-        self.checkpoint_time = (overheads.region + overheads.per_saved * graph.saved_tensors
-                                + sum(n.wall_time for n in nodes[:stop]))
+        machinery = overheads.region + overheads.per_saved * graph.saved_tensors
+        rerun = sum(n.wall_time for n in nodes[:stop])
+        if overlapped:
+            # The host runs the region's machinery while the device still works through the kernels queued
+            # before: the device waits for it only where the rerun's host work, machinery included, is longer.
+            self.checkpoint_time = max(rerun, sum(n.host_time for n in nodes[:stop]) + machinery)
+        else:
+            self.checkpoint_time = machinery + rerun
         # The replay also dispatches the detach of every rebuilt tensor that requires grad (host work only).
         self.selective_time = (self.checkpoint_time + policy_work(nodes, overheads.policy_forward)
                                + policy_work(nodes[:stop], overheads.policy_replay)
