@@ -75,6 +75,11 @@ class FakeDevice:
     def host_wait(self, event: FakeEvent) -> None:
         event.synchronize()
 
+    def record_event(self, stream: FakeStream) -> FakeEvent:
+        event = FakeEvent(self, max(stream.ready, self.now), -1)
+        self.log.append(("record_event", stream.name, event))
+        return event
+
     def wait_stream(self, waiter: FakeStream, stream: FakeStream) -> None:
         self.log.append(("wait_stream", waiter.name, stream.name))
         waiter.ready = max(waiter.ready, stream.ready)

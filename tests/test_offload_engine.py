@@ -175,7 +175,8 @@ def test_prefetch_hides_copies_back_behind_backward_compute(fake, depth, paced, 
         tensor = engine.fetch(handle, prefetch=depth)
         event = handle.event
         # The compute stream waits for the copy back, and the memory is marked as used by it.
-        assert fake.log[-2:] == [("wait_event", "compute", event), ("record_stream", "compute", tensor.data_ptr())]
+        assert fake.log[-3:-1] == [("wait_event", "compute", event), ("record_stream", "compute", tensor.data_ptr())]
+        assert fake.log[-1][:2] == ("record_event", "compute")  # where the compute stream gets to its use
         assert fake.compute.ready >= event.time and tensor.numel() == 16384
         fake.run(layer)
         if paced:
@@ -338,3 +339,19 @@ def test_copies_back_do_not_queue_behind_copies_out(fake):
     back = next(c for c in fake.copies if not c.to_host)
     assert back.start == 1 / 16  # right after its own copy out, not after all four (4/16)
     assert max(c.end for c in fake.copies if c.to_host) == 4 / 16
+
+
+def test_a_host_ahead_in_backward_brings_back_no_more_than_the_window(fake):
+    engine, n, size = fake.engine, 8, 65536
+    fake.d2h_bytes_per_s = fake.h2d_bytes_per_s = 2.0 ** 22  # 1/64 s per copy; a layer's compute takes 1/8 s
+    handles = [engine.stash(torch.randn(16384)) for _ in range(n)]
+    fake.advance()
+    engine.in_flight_limit = 3 * size
+    reached = []  # per fetch: when the compute stream gets to the tensor's use
+    for handle in reversed(handles):  # the host never waits for compute by itself: it runs ahead
+        engine.fetch(handle)
+        reached.append(next(e[2].time for e in reversed(fake.log) if e[0] == "record_event"))
+        ahead = sum(1 for t in reached if t > fake.now)  # brought back, and the compute stream not there yet
+        assert ahead * size <= engine.in_flight_limit + size
+        fake.run(1 / 8)
+    assert len(fake.calls("host waits")) == n - 3  # from the fourth fetch on, for the compute three fetches back

@@ -15,7 +15,10 @@ One :class:`HostCopies` per device type serves ``remat.offload``, ``offload_wrap
   allocator sees its copy complete, so a forward far ahead of its copies holds them all.  Once more than
   ``in_flight_limit`` bytes are being copied out, the host waits for the oldest copy (an event, not a device
   synchronize): the device keeps computing what was queued, and the step's peak stays the kept tensors plus
-  that window.  Otherwise nothing on these paths waits on the host (once the pool holds a step's blocks:
+  that window.  Backward is bounded alike: the host runs ahead of the device there too, and each fetch would
+  otherwise bring a tensor back long before the compute stream gets to it; once more than the limit was
+  brought back beyond where the compute stream is known to be, the host waits for the compute stream to reach
+  the oldest fetch.  Otherwise nothing on these paths waits on the host (once the pool holds a step's blocks:
   allocating pinned memory itself can stall the device, so the first step pays for it).
 * **A pinned pool** (:class:`~remat.policies.hostpool.HostPool`) reused across steps, by size class; a block
   returns to it with its last copy's event and is reused only once that event has completed, asked lazily.
@@ -86,6 +89,9 @@ class TorchDevice:
     def host_wait(self, event: Any) -> None:
         event.synchronize()
 
+    def record_event(self, stream: Any) -> Any:
+        return stream.record_event()
+
     def wait_stream(self, waiter: Any, stream: Any) -> None:
         waiter.wait_stream(stream)
 
@@ -124,6 +130,9 @@ class HostDevice:
 
     def host_wait(self, event: Any) -> None:
         pass
+
+    def record_event(self, stream: Any) -> None:
+        return None
 
     def wait_stream(self, waiter: Any, stream: Any) -> None:
         pass
@@ -206,6 +215,33 @@ class Stashed:
             self.block = None
 
 
+class _Window:
+    """Bytes in flight behind device events, oldest first: what the host waits for once over a limit."""
+
+    def __init__(self) -> None:
+        self.entries: deque[tuple[Any, int]] = deque()
+        self.nbytes = 0
+
+    def add(self, event: Any, nbytes: int, limit: int, done: Any) -> Any:
+        """Count ``nbytes`` behind ``event``; the event the host must wait for to be within ``limit`` (or None).
+
+        Events complete in the order they were added (one stream), so waiting for the newest one over the
+        limit is enough; entries whose events have completed leave without a wait.
+        """
+        self.entries.append((event, nbytes))
+        self.nbytes += nbytes
+        late = None
+        while self.entries:
+            over = self.nbytes > limit
+            if not over and not done(self.entries[0][0]):
+                break
+            oldest, size = self.entries.popleft()
+            self.nbytes -= size
+            if over:
+                late = oldest
+        return late
+
+
 class HostCopies:
     """Moves tensors of one device type to host memory and back; see the module docstring."""
 
@@ -218,8 +254,9 @@ class HostCopies:
         self._unfetched: dict[int, weakref.ref[Stashed]] = {}  # by save order, for prefetch
         self._sweep_at = 64
         self.in_flight_limit = _IN_FLIGHT_LIMIT
-        self._in_flight: deque[tuple[Any, int]] = deque()  # copies out not yet seen complete: event, bytes
-        self._in_flight_bytes = 0
+        self._out = _Window()  # copies out, behind their events
+        self._back = _Window()  # tensors brought back, behind the compute stream's arrival at their fetch
+        self._brought_back = 0  # bytes of copies back started since the last fetch
 
     def pool(self, pinned: bool = True) -> HostPool:
         """The pool of pinned (or pageable) host blocks."""
@@ -254,25 +291,10 @@ class HostCopies:
                 self._unfetched[order] = weakref.ref(handle)
                 if len(self._unfetched) >= self._sweep_at:
                     self._sweep()
-                late = self._throttle(event, layout.nbytes)
+                late = self._out.add(event, layout.nbytes, self.in_flight_limit, model.done)
             if late is not None:
                 model.host_wait(late)
         return handle
-
-    def _throttle(self, event: Any, nbytes: int) -> Any:
-        """Count a copy out in flight; the event to wait for if the window is over its limit (else None)."""
-        self._in_flight.append((event, nbytes))
-        self._in_flight_bytes += nbytes
-        late = None
-        while self._in_flight:
-            over = self._in_flight_bytes > self.in_flight_limit
-            if not over and not self.model.done(self._in_flight[0][0]):
-                break
-            oldest, size = self._in_flight.popleft()
-            self._in_flight_bytes -= size
-            if over:
-                late = oldest  # copies out complete in order: waiting for the newest such is enough
-        return late
 
     def fetch(self, handle: Stashed, prefetch: int = 0) -> torch.Tensor:
         """``handle``'s tensor back on its device, usable on the current stream; starts the copies back of the
@@ -290,6 +312,13 @@ class HostCopies:
         tensor, handle.on_device = handle.on_device, None  # not held here: a second backward copies again
         with _python_dispatch_off():
             self.model.record_stream(tensor, current)  # allocated on the inbound stream, used on this one
+        if self.model.asynchronous:
+            arrival = self.model.record_event(current)  # the compute stream gets to this tensor's use
+            with self._lock:
+                brought, self._brought_back = self._brought_back, 0
+                late = self._back.add(arrival, brought, self.in_flight_limit, self.model.done)
+            if late is not None:
+                self.model.host_wait(late)
         return tensor
 
     def prefetch(self, handles: Iterable[Stashed]) -> None:
@@ -334,6 +363,8 @@ class HostCopies:
             flat = raw[layout.pad:].view(layout.dtype)
             handle.event = model.copy(flat, handle.block[: layout.nbytes].view(layout.dtype), inbound, False)
             handle.on_device = layout.place(flat)
+        with self._lock:
+            self._brought_back += layout.nbytes
 
     def _preceding(self, order: int, count: int) -> list[Stashed]:
         # Save order is insertion order; in backward the newest unfetched entries are the ones needed next.
