@@ -174,15 +174,12 @@ def test_compiled_checkpoint_matches_torch_compiled_checkpoint():
 
     ours = _each_block_through(lambda block, x: remat.checkpoint(block, x))
     theirs = _each_block_through(lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=False))
-    # Inductor otherwise picks reduction configs by timing them on the device, so two compilations of one
-    # graph can reduce in different orders (seen: 6e-11 apart on an H100).
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config, "deterministic"):
-        pytest.skip("this torch's inductor has no deterministic mode")
-    with inductor_config.patch(deterministic=True):
-        torch._dynamo.reset()
-        got = _loss_and_grads(_model(), run=torch.compile(ours, backend="inductor"))
-        torch._dynamo.reset()
-        expected = _loss_and_grads(_model(), run=torch.compile(theirs, backend="inductor"))
-    assert_bitwise(expected, got)
+    # Equal, not bitwise: inductor fuses each program on its own, and on an H100 the two differed by up to 2e-10
+    # (the losses equal) even with its deterministic mode, where no config is chosen by timing.
+    torch._dynamo.reset()
+    got = _loss_and_grads(_model(), run=torch.compile(ours, backend="inductor"))
+    torch._dynamo.reset()
+    expected = _loss_and_grads(_model(), run=torch.compile(theirs, backend="inductor"))
+    assert torch.equal(expected[0], got[0])
+    for a, b in zip(expected[1:], got[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
