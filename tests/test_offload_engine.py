@@ -188,7 +188,7 @@ def test_prefetch_hides_copies_back_behind_backward_compute(fake, depth, paced, 
 def test_prefetch_runs_in_backward_order(fake):
     x = torch.randn(32, 16, requires_grad=True)
     with remat.offload(min_bytes=0, device_type="cpu", prefetch_depth=2) as off:
-        y = x
+        y = x + 0  # x itself is the caller's: it stays on the device
         for _ in range(6):
             y = torch.sin(y)  # each saves its input: backward needs them newest first
     blocks_out = [c.dst_ptr for c in fake.copies if c.to_host]
@@ -355,3 +355,15 @@ def test_a_host_ahead_in_backward_brings_back_no_more_than_the_window(fake):
         assert ahead * size <= engine.in_flight_limit + size
         fake.run(1 / 8)
     assert len(fake.calls("host waits")) == n - 3  # from the fourth fetch on, for the compute three fetches back
+
+
+def test_storages_a_leaf_owns_are_not_copied(fake):
+    linear = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    for hooks in (remat.offload(min_bytes=0, device_type="cpu"), remat.save_on_cpu(pin_memory=False)):
+        fake.copies.clear()
+        with use_device_model("cpu", fake), hooks:
+            y = linear(x).sin()  # saves x, the weight (a view of the parameter) and the linear's output
+        y.sum().backward()
+        # only the linear's output travelled, out and back
+        assert [c.nbytes for c in fake.copies] == [4 * 16 * 4] * 2

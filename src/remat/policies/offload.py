@@ -9,6 +9,10 @@ gradients are bitwise those of plain autograd):
 * :class:`offload` — the practical one: it leaves parameters, buffers and small tensors where they are and
   counts what it did in :attr:`offload.stats`.
 
+Neither copies a tensor whose storage belongs to a leaf that requires grad — a parameter, an input, or a view
+of one (a linear layer saves its weight's transpose): the leaf keeps that memory alive anyway, so the copy
+would cost the link its bytes twice a step and free nothing (a Llama's weights are a sixth of what it saves).
+
 On a machine without an accelerator nothing needs moving and both behave as plain autograd (the offloader
 can be pointed at ``device_type="cpu"`` to exercise its bookkeeping: it then copies through host buffers).
 """
@@ -28,6 +32,12 @@ from .hostpool import HostPool
 __all__ = ["OffloadStats", "offload", "save_on_cpu"]
 
 _PREFETCH_DEPTH = 2
+
+
+def _owned_by_a_leaf(tensor: torch.Tensor) -> bool:
+    """Whether a leaf that requires grad (a parameter, an input) owns the tensor's storage: moving it frees nothing."""
+    owner = tensor._base if tensor._base is not None else tensor
+    return owner.is_leaf and owner.requires_grad
 
 
 class OffloadStats:
@@ -87,7 +97,7 @@ class save_on_cpu(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - dro
     def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
         def pack(tensor: torch.Tensor) -> Any:
             engine = engine_for(tensor.device.type)
-            if engine is None or not engine.moves:
+            if engine is None or not engine.moves or _owned_by_a_leaf(tensor):
                 return tensor
             handle = engine.stash(tensor, pinned=pin_memory, check_version=True)
             return handle if handle is not None else (tensor.device, tensor.to("cpu"))
@@ -149,7 +159,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         return (
             self.engine is not None
             and tensor.device.type == self.device_type
-            and not isinstance(tensor, nn.Parameter)
+            and not _owned_by_a_leaf(tensor)
             and tensor.numel() * tensor.element_size() >= self.min_bytes
             and tensor.untyped_storage().data_ptr() not in self._skip
         )
