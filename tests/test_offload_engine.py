@@ -367,3 +367,14 @@ def test_storages_a_leaf_owns_are_not_copied(fake):
         y.sum().backward()
         # only the linear's output travelled, out and back
         assert [c.nbytes for c in fake.copies] == [4 * 16 * 4] * 2
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetch_keeps_depth_tensors_ahead_not_more(fake, depth):
+    # Each fetch once started `depth` more copies back, so the tensors brought back ahead grew by one a fetch.
+    engine, n = fake.engine, 12
+    handles = [engine.stash(torch.randn(256)) for _ in range(n)]
+    for i, handle in enumerate(reversed(handles)):
+        engine.fetch(handle, prefetch=depth)
+        ahead = [h for h in handles if h.on_device is not None]
+        assert len(ahead) == min(depth, n - 1 - i)

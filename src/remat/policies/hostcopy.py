@@ -326,8 +326,6 @@ class HostCopies:
         if not self.model.asynchronous:
             return
         for handle in handles:
-            with self._lock:
-                self._unfetched.pop(handle.order, None)
             if handle.on_device is None and handle.block is not None:
                 self._copy_back(handle)
 
@@ -367,19 +365,28 @@ class HostCopies:
             self._brought_back += layout.nbytes
 
     def _preceding(self, order: int, count: int) -> list[Stashed]:
+        """The live tensors among the ``count`` stashed just before ``order`` that are not on their way back yet.
+
+        Those already brought back count: each fetch keeps ``count`` tensors ahead, rather than adding
+        ``count`` more (which ran the copies back ever further ahead, holding a tensor more per fetch).
+        """
         # Save order is insertion order; in backward the newest unfetched entries are the ones needed next.
         found: list[Stashed] = []
-        taken: list[int] = []
+        dead: list[int] = []
+        seen = 0
         for key, ref in reversed(self._unfetched.items()):
             if key >= order:
                 continue
-            taken.append(key)
             handle = ref()
-            if handle is not None and handle.on_device is None:
+            if handle is None:
+                dead.append(key)
+                continue
+            if handle.on_device is None:
                 found.append(handle)
-                if len(found) == count:
-                    break
-        for key in taken:
+            seen += 1
+            if seen == count:
+                break
+        for key in dead:
             del self._unfetched[key]
         return found
 
