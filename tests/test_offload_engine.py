@@ -378,3 +378,38 @@ def test_prefetch_keeps_depth_tensors_ahead_not_more(fake, depth):
         engine.fetch(handle, prefetch=depth)
         ahead = [h for h in handles if h.on_device is not None]
         assert len(ahead) == min(depth, n - 1 - i)
+
+
+@pytest.mark.parametrize("hooks", ["offload", "save_on_cpu"])
+def test_a_tensor_saved_by_several_ops_travels_once_each_way(fake, hooks):
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(16, 16) for _ in range(3))
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *q.parameters(), *k.parameters(), *v.parameters()]
+
+    def run():
+        h = x.sin()  # saved by sin's output's three readers, as a layer's input is by its projections
+        return (q(h) * k(h) + v(h)).sum()
+
+    expected = torch.autograd.grad(run(), params)
+    context = remat.offload(min_bytes=0, device_type="cpu") if hooks == "offload" else remat.save_on_cpu()
+    with context:
+        loss = run()
+    out = [c for c in fake.copies if c.to_host]
+    # x and the weights stay (a leaf's); h once, q(h) and k(h) (saved by the product) once each
+    assert sorted(c.nbytes for c in out) == [4 * 16 * 4] * 3
+    got = torch.autograd.grad(loss, params)
+    assert_bitwise(expected, got)
+    assert len([c for c in fake.copies if not c.to_host]) == 3
+
+
+def test_a_tensor_changed_between_two_saves_is_copied_for_each(fake):
+    x = torch.randn(4, 16, requires_grad=True)
+    with remat.offload(min_bytes=0, device_type="cpu"):
+        h = x * 2
+        a = h.sin()  # saves h
+        h.mul_(3)  # h changes: the next save must not share the first's bytes
+        b = h.cos()
+    assert len([c for c in fake.copies if c.to_host]) == 2
+    with pytest.raises(RuntimeError, match="modified in place after it was offloaded"):
+        (a + b).sum().backward()

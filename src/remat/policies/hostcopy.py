@@ -194,7 +194,7 @@ class Stashed:
     """
 
     __slots__ = ("engine", "block", "pool", "layout", "device", "order", "event", "on_device", "source", "version",
-                 "__weakref__")
+                 "users", "fetches", "__weakref__")
 
     def __init__(self, engine: HostCopies, block: torch.Tensor, pool: HostPool, layout: _Layout,
                  device: torch.device, order: int, event: Any, source: weakref.ref | None, version: int) -> None:
@@ -208,6 +208,8 @@ class Stashed:
         self.on_device: torch.Tensor | None = None  # a copy back started ahead of use (prefetch)
         self.source = source  # weak, to tell an in-place change after the copy (as autograd would)
         self.version = version
+        self.users = 1  # saves of this very tensor it serves (a layer's input saved by each projection)
+        self.fetches = 0
 
     def __del__(self) -> None:
         if self.block is not None:
@@ -252,6 +254,7 @@ class HostCopies:
         self._lock = threading.Lock()
         self._order = 0
         self._unfetched: dict[int, weakref.ref[Stashed]] = {}  # by save order, for prefetch
+        self._by_tensor: weakref.WeakValueDictionary[int, Stashed] = weakref.WeakValueDictionary()
         self._sweep_at = 64
         self.in_flight_limit = _IN_FLIGHT_LIMIT
         self._out = _Window()  # copies out, behind their events
@@ -266,10 +269,16 @@ class HostCopies:
         """Start copying ``tensor`` to host memory; None if it cannot be moved (subclass, sparse, empty).
 
         ``check_version=True`` makes :meth:`fetch` raise if the tensor is changed in place afterwards
-        (saved-tensor hooks: autograd's own check does not run on hooked tensors).
+        (saved-tensor hooks: autograd's own check does not run on hooked tensors).  It also lets a tensor saved
+        again, unchanged (the same tensor object, same version), share the first save's copy: it travels once
+        each way, and its copy back stays on the device until each save has been fetched.
         """
         if not _movable(tensor):
             return None
+        if check_version:
+            again = self._saved_before(tensor)
+            if again is not None:
+                return again
         layout = _Layout(tensor)
         model = self.model
         with _python_dispatch_off(), torch.no_grad():
@@ -286,6 +295,9 @@ class HostCopies:
             model.record_stream(tensor, side)
         source = weakref.ref(tensor) if check_version else None
         handle = Stashed(self, block, pool, layout, tensor.device, order, event, source, tensor._version)
+        if check_version:
+            with self._lock:
+                self._by_tensor[id(tensor)] = handle
         if model.asynchronous:
             with self._lock:
                 self._unfetched[order] = weakref.ref(handle)
@@ -295,6 +307,17 @@ class HostCopies:
             if late is not None:
                 model.host_wait(late)
         return handle
+
+    def _saved_before(self, tensor: torch.Tensor) -> Stashed | None:
+        with self._lock:
+            handle = self._by_tensor.get(id(tensor))
+            # The same object (an id outlives nothing: the handle's weak reference must still reach it), and
+            # unchanged since: then the first copy holds these very bytes.
+            if (handle is None or handle.block is None or handle.source is None or handle.source() is not tensor
+                    or handle.version != tensor._version or handle.fetches):
+                return None
+            handle.users += 1
+            return handle
 
     def fetch(self, handle: Stashed, prefetch: int = 0) -> torch.Tensor:
         """``handle``'s tensor back on its device, usable on the current stream; starts the copies back of the
@@ -309,7 +332,10 @@ class HostCopies:
             self._copy_back(later)
         current = self.model.current_stream(handle.device)
         self.model.wait_event(current, handle.event)
-        tensor, handle.on_device = handle.on_device, None  # not held here: a second backward copies again
+        tensor = handle.on_device
+        handle.fetches += 1
+        if handle.fetches % handle.users == 0:
+            handle.on_device = None  # its last save has it: a second backward copies again
         with _python_dispatch_off():
             self.model.record_stream(tensor, current)  # allocated on the inbound stream, used on this one
         if self.model.asynchronous:
