@@ -55,7 +55,7 @@ import torch
 
 from .hostpool import HostPool
 
-__all__ = ["HostCopies", "HostDevice", "Stashed", "TorchDevice", "engine_for", "use_device_model"]
+__all__ = ["HostCopies", "HostDevice", "SharedView", "Stashed", "TorchDevice", "engine_for", "use_device_model"]
 
 _ALIGN = 512  # the CUDA caching allocator's block alignment: kernels may pick their path by pointer alignment
 _IN_FLIGHT_LIMIT = 256 << 20  # ~5 ms of copying at 50 GB/s: enough to keep the link busy
@@ -205,8 +205,10 @@ class Stashed:
         self.device = device
         self.order = order
         self.event = event  # the last copy that used the block: out, then back
-        self.on_device: torch.Tensor | None = None  # a copy back started ahead of use (prefetch)
-        self.source = source  # weak, to tell an in-place change after the copy (as autograd would)
+        self.on_device: torch.Tensor | None = None  # the span brought back, flat (a prefetch starts it early)
+        # weak, to the tensor that owns the storage (the base of a view): tells an in-place change after the copy
+        # (as autograd would), and which later saves may share this copy
+        self.source = source
         self.version = version
         self.users = 1  # saves of this very tensor it serves (a layer's input saved by each projection)
         self.fetches = 0
@@ -215,6 +217,20 @@ class Stashed:
         if self.block is not None:
             self.pool.give_back(self.block, self.event)
             self.block = None
+
+
+class SharedView:
+    """A saved tensor served by an earlier save's copy of the same bytes, laid out its own way."""
+
+    __slots__ = ("stashed", "layout")
+
+    def __init__(self, stashed: Stashed, layout: _Layout) -> None:
+        self.stashed = stashed
+        self.layout = layout
+
+    @property
+    def engine(self) -> HostCopies:
+        return self.stashed.engine
 
 
 class _Window:
@@ -254,7 +270,7 @@ class HostCopies:
         self._lock = threading.Lock()
         self._order = 0
         self._unfetched: dict[int, weakref.ref[Stashed]] = {}  # by save order, for prefetch
-        self._by_tensor: weakref.WeakValueDictionary[int, Stashed] = weakref.WeakValueDictionary()
+        self._by_span: weakref.WeakValueDictionary[tuple, Stashed] = weakref.WeakValueDictionary()
         self._sweep_at = 64
         self.in_flight_limit = _IN_FLIGHT_LIMIT
         self._out = _Window()  # copies out, behind their events
@@ -269,17 +285,18 @@ class HostCopies:
         """Start copying ``tensor`` to host memory; None if it cannot be moved (subclass, sparse, empty).
 
         ``check_version=True`` makes :meth:`fetch` raise if the tensor is changed in place afterwards
-        (saved-tensor hooks: autograd's own check does not run on hooked tensors).  It also lets a tensor saved
-        again, unchanged (the same tensor object, same version), share the first save's copy: it travels once
-        each way, and its copy back stays on the device until each save has been fetched.
+        (saved-tensor hooks: autograd's own check does not run on hooked tensors).  It also lets a later save
+        of the same bytes, unchanged, share this copy (:meth:`_saved_before`): they travel once each way, and
+        the copy back stays on the device until each save has been fetched.
         """
         if not _movable(tensor):
             return None
+        layout = _Layout(tensor)
+        owner = tensor._base if tensor._base is not None else tensor
         if check_version:
-            again = self._saved_before(tensor)
+            again = self._saved_before(tensor, owner, layout)
             if again is not None:
                 return again
-        layout = _Layout(tensor)
         model = self.model
         with _python_dispatch_off(), torch.no_grad():
             with self._lock:
@@ -293,11 +310,11 @@ class HostCopies:
             dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
             event = model.copy(dst, src, side, True)
             model.record_stream(tensor, side)
-        source = weakref.ref(tensor) if check_version else None
+        source = weakref.ref(owner) if check_version else None
         handle = Stashed(self, block, pool, layout, tensor.device, order, event, source, tensor._version)
-        if check_version:
+        if check_version and layout.exact:
             with self._lock:
-                self._by_tensor[id(tensor)] = handle
+                self._by_span[_span_key(tensor, layout)] = handle
         if model.asynchronous:
             with self._lock:
                 self._unfetched[order] = weakref.ref(handle)
@@ -308,20 +325,32 @@ class HostCopies:
                 model.host_wait(late)
         return handle
 
-    def _saved_before(self, tensor: torch.Tensor) -> Stashed | None:
+    def _saved_before(self, tensor: torch.Tensor, owner: torch.Tensor, layout: _Layout
+                      ) -> Stashed | SharedView | None:
+        """An earlier save's copy holding this tensor's bytes: the same span of the same storage, whose owner
+        (the base of the views) is the very object the earlier save had and is unchanged since.
+
+        A layer's input is saved by each projection, each time as a view of its own; all share one copy.  The
+        owner being alive is what proves the address still names that storage (a freed one's may be reused).
+        """
+        if not layout.exact:
+            return None
         with self._lock:
-            handle = self._by_tensor.get(id(tensor))
-            # The same object (an id outlives nothing: the handle's weak reference must still reach it), and
-            # unchanged since: then the first copy holds these very bytes.
-            if (handle is None or handle.block is None or handle.source is None or handle.source() is not tensor
-                    or handle.version != tensor._version or handle.fetches):
+            handle = self._by_span.get(_span_key(tensor, layout))
+            if (handle is None or handle.block is None or handle.fetches or handle.source is None
+                    or handle.source() is not owner or handle.version != tensor._version):
                 return None
             handle.users += 1
+        if (layout.size, layout.stride) == (handle.layout.size, handle.layout.stride):
             return handle
+        return SharedView(handle, layout)
 
-    def fetch(self, handle: Stashed, prefetch: int = 0) -> torch.Tensor:
+    def fetch(self, handle: Stashed | SharedView, prefetch: int = 0) -> torch.Tensor:
         """``handle``'s tensor back on its device, usable on the current stream; starts the copies back of the
         ``prefetch`` live tensors stashed just before it (backward needs them next)."""
+        layout = handle.layout
+        if type(handle) is SharedView:
+            handle = handle.stashed
         _check_unchanged(handle)
         with self._lock:
             self._unfetched.pop(handle.order, None)
@@ -332,12 +361,13 @@ class HostCopies:
             self._copy_back(later)
         current = self.model.current_stream(handle.device)
         self.model.wait_event(current, handle.event)
-        tensor = handle.on_device
+        flat = handle.on_device
         handle.fetches += 1
         if handle.fetches % handle.users == 0:
             handle.on_device = None  # its last save has it: a second backward copies again
-        with _python_dispatch_off():
-            self.model.record_stream(tensor, current)  # allocated on the inbound stream, used on this one
+        with _python_dispatch_off(), torch.no_grad():
+            tensor = layout.place(flat)
+            self.model.record_stream(flat, current)  # allocated on the inbound stream, used on this one
         if self.model.asynchronous:
             arrival = self.model.record_event(current)  # the compute stream gets to this tensor's use
             with self._lock:
@@ -386,7 +416,7 @@ class HostCopies:
             model.wait_event(inbound, handle.event)
             flat = raw[layout.pad:].view(layout.dtype)
             handle.event = model.copy(flat, handle.block[: layout.nbytes].view(layout.dtype), inbound, False)
-            handle.on_device = layout.place(flat)
+            handle.on_device = flat
         with self._lock:
             self._brought_back += layout.nbytes
 
@@ -420,6 +450,12 @@ class HostCopies:
         for key in [k for k, ref in self._unfetched.items() if ref() is None]:
             del self._unfetched[key]
         self._sweep_at = max(64, 2 * len(self._unfetched))
+
+
+def _span_key(tensor: torch.Tensor, layout: _Layout) -> tuple:
+    item = tensor.element_size()
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset() * item, layout.nbytes,
+            tensor.dtype)
 
 
 def _check_unchanged(handle: Stashed) -> None:

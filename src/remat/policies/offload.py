@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..engine.replay import DefaultDeviceType
-from .hostcopy import HostCopies, Stashed, engine_for
+from .hostcopy import HostCopies, SharedView, Stashed, engine_for
 from .hostpool import HostPool
 
 __all__ = ["OffloadStats", "offload", "save_on_cpu"]
@@ -73,8 +73,11 @@ class OffloadStats:
         )
 
 
+_HANDLES = (Stashed, SharedView)
+
+
 def _unpack(packed: Any) -> torch.Tensor:
-    if type(packed) is Stashed:
+    if type(packed) in _HANDLES:
         return packed.engine.fetch(packed, _PREFETCH_DEPTH)
     if type(packed) is tuple:  # a tensor the engine cannot move (e.g. sparse): a plain host copy
         device, host = packed
@@ -172,6 +175,6 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         return tensor if handle is None else handle
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if type(packed) is Stashed:
+        if type(packed) in _HANDLES:
             return self.engine.fetch(packed, self.prefetch_depth)
         return packed
