@@ -427,9 +427,10 @@ def test_views_of_one_span_share_a_copy_each_in_its_own_layout(fake):
         return (q(h) + k(h) + v(h)).sum() + torch.mm(w.t(), h.reshape(8, 16).t()).sum()
 
     expected = torch.autograd.grad(run(), params)
-    with remat.offload(min_bytes=0, device_type="cpu"):
+    with remat.offload(min_bytes=0, device_type="cpu") as off:
         loss = run()
     assert [c.nbytes for c in fake.copies if c.to_host] == [2 * 4 * 16 * 4]  # h, once
+    assert (off.stats.offloaded_tensors, off.stats.shared_tensors) == (4, 3)
     assert_bitwise(expected, torch.autograd.grad(loss, params))
     assert len([c for c in fake.copies if not c.to_host]) == 1
 

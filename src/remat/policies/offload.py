@@ -43,6 +43,9 @@ def _owned_by_a_leaf(tensor: torch.Tensor) -> bool:
 class OffloadStats:
     """What an offloading context did: tensors and bytes moved to host, and those kept in place.
 
+    ``shared_tensors`` / ``shared_bytes``: offloaded saves an earlier save's copy served (the same bytes saved
+    again: they did not travel again), counted in ``offloaded_*`` too.
+
     Example:
         >>> stats = OffloadStats()
         >>> stats.offloaded_bytes
@@ -54,6 +57,8 @@ class OffloadStats:
         self.offloaded_bytes = 0
         self.kept_tensors = 0
         self.kept_bytes = 0
+        self.shared_tensors = 0
+        self.shared_bytes = 0
 
     def count(self, tensor: torch.Tensor, offloaded: bool) -> None:
         self.add(tensor.numel() * tensor.element_size(), offloaded)
@@ -67,8 +72,9 @@ class OffloadStats:
             self.kept_bytes += nbytes
 
     def __repr__(self) -> str:
+        shared = f", {self.shared_tensors} / {self.shared_bytes} B of them shared" if self.shared_tensors else ""
         return (
-            f"OffloadStats(offloaded={self.offloaded_tensors} tensors / {self.offloaded_bytes} B, "
+            f"OffloadStats(offloaded={self.offloaded_tensors} tensors / {self.offloaded_bytes} B{shared}, "
             f"kept={self.kept_tensors} tensors / {self.kept_bytes} B)"
         )
 
@@ -172,6 +178,9 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         if self._should_offload(tensor):
             handle = self.engine.stash(tensor, pinned=self.pin_memory, check_version=True)
         self.stats.count(tensor, offloaded=handle is not None)
+        if type(handle) is SharedView or (handle is not None and handle.users > 1):
+            self.stats.shared_tensors += 1
+            self.stats.shared_bytes += tensor.numel() * tensor.element_size()
         return tensor if handle is None else handle
 
     def _unpack(self, packed: Any) -> torch.Tensor:
