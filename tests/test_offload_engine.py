@@ -448,3 +448,74 @@ def test_a_new_tensor_at_a_freed_address_gets_its_own_copy(fake):
     assert len([c for c in fake.copies if c.to_host]) == 2, reused
     x_grad, = torch.autograd.grad((first + second).sum(), [x])
     assert torch.equal(x_grad, 2 * (x * 2).cos() + 3 * (x * 3).cos())
+
+
+def test_a_conjugate_view_never_shares_the_plain_copy(fake):
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, dtype=torch.cfloat, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.cfloat, requires_grad=True)
+
+    def run():
+        h = x.sin()
+        return (torch.mm(w, h) + torch.mm(w, h.conj())).abs().sum()  # saves h, then its lazy conjugate
+
+    expected = torch.autograd.grad(run(), [x, w])
+    with remat.offload(min_bytes=0, device_type="cpu"):
+        loss = run()
+    assert_bitwise(expected, torch.autograd.grad(loss, [x, w]))
+
+
+class _SquareReusingItsSave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return h * h
+
+    @staticmethod
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return grad * h.mul_(2)  # writes into what it was given back (a memory-saving idiom)
+
+
+def test_a_save_written_in_backward_does_not_reach_the_other_saves_of_its_bytes(fake):
+    x = torch.randn(64, requires_grad=True)
+
+    def run():
+        h = x.sin()
+        return (h.cos() + _SquareReusingItsSave.apply(h)).sum()  # cos and the function both save h
+
+    with remat.offload(min_bytes=0, device_type="cpu"):
+        loss = run()
+    (got,) = torch.autograd.grad(loss, [x])
+    h = x.detach().sin()
+    assert torch.allclose(got, -h.sin() * x.detach().cos() + 2 * h * x.detach().cos())
+
+
+def test_frozen_parameters_stay_on_the_device(fake):
+    frozen = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    with remat.offload(min_bytes=0, device_type="cpu") as off:
+        y = (x @ frozen.t()).sin() * frozen[0]  # saves the frozen weight's transpose and a row of it
+    y.sum().backward()
+    assert off.stats.offloaded_tensors == 1  # x @ W.t()'s output, saved by sin; never the weight
+
+
+def test_a_tensor_over_the_window_alone_does_not_wait_for_its_own_copy(fake):
+    engine = fake.engine
+    engine.in_flight_limit = 1024
+    handles = [engine.stash(torch.randn(4096)) for _ in range(3)]  # each alone over the limit
+    # each waits for the one before it, never for itself
+    assert [w[1].copy for w in fake.calls("host waits")] == [0, 1]
+    engine.fetch(handles[2])
+    assert [w[1].copy for w in fake.calls("host waits")] == [0, 1]
+
+
+def test_a_shared_copy_a_backward_never_fetched_is_let_go_when_it_ends(fake):
+    x = torch.randn(64, requires_grad=True)
+    with remat.offload(min_bytes=0, device_type="cpu"):
+        h = x.sin()
+        used, unused = h.cos(), h.sin()  # both save h: one copy, two users
+    torch.autograd.grad(used.sum(), [x], retain_graph=True)  # reaches cos's save only
+    handles = [h for h in fake.engine._by_span.values()]
+    assert handles and all(h.on_device is None for h in handles)
+    del unused

@@ -194,7 +194,7 @@ class Stashed:
     """
 
     __slots__ = ("engine", "block", "pool", "layout", "device", "order", "event", "on_device", "source", "version",
-                 "users", "fetches", "__weakref__")
+                 "users", "fetches", "back_version", "__weakref__")
 
     def __init__(self, engine: HostCopies, block: torch.Tensor, pool: HostPool, layout: _Layout,
                  device: torch.device, order: int, event: Any, source: weakref.ref | None, version: int) -> None:
@@ -210,8 +210,9 @@ class Stashed:
         # (as autograd would), and which later saves may share this copy
         self.source = source
         self.version = version
-        self.users = 1  # saves of this very tensor it serves (a layer's input saved by each projection)
+        self.users = 1  # saves of these bytes it serves (a layer's input saved by each projection)
         self.fetches = 0
+        self.back_version = 0  # the device copy's version when it came back
 
     def __del__(self) -> None:
         if self.block is not None:
@@ -249,7 +250,7 @@ class _Window:
         self.entries.append((event, nbytes))
         self.nbytes += nbytes
         late = None
-        while self.entries:
+        while len(self.entries) > 1:  # never the entry just added: a tensor over the limit alone must not wait
             over = self.nbytes > limit
             if not over and not done(self.entries[0][0]):
                 break
@@ -273,9 +274,10 @@ class HostCopies:
         self._by_span: weakref.WeakValueDictionary[tuple, Stashed] = weakref.WeakValueDictionary()
         self._sweep_at = 64
         self.in_flight_limit = _IN_FLIGHT_LIMIT
-        self._out = _Window()  # copies out, behind their events
-        self._back = _Window()  # tensors brought back, behind the compute stream's arrival at their fetch
-        self._brought_back = 0  # bytes of copies back started since the last fetch
+        # Per device (events of one device's stream complete in order; two devices' do not):
+        self._out: dict[torch.device, _Window] = {}  # copies out, behind their events
+        self._back: dict[torch.device, _Window] = {}  # brought back, behind the compute stream's arrival at a fetch
+        self._brought_back: dict[torch.device, int] = {}  # bytes of copies back started since the last fetch
 
     def pool(self, pinned: bool = True) -> HostPool:
         """The pool of pinned (or pageable) host blocks."""
@@ -312,7 +314,7 @@ class HostCopies:
             model.record_stream(tensor, side)
         source = weakref.ref(owner) if check_version else None
         handle = Stashed(self, block, pool, layout, tensor.device, order, event, source, tensor._version)
-        if check_version and layout.exact:
+        if check_version and layout.exact and not (tensor.is_conj() or tensor.is_neg()):
             with self._lock:
                 self._by_span[_span_key(tensor, layout)] = handle
         if model.asynchronous:
@@ -320,7 +322,8 @@ class HostCopies:
                 self._unfetched[order] = weakref.ref(handle)
                 if len(self._unfetched) >= self._sweep_at:
                     self._sweep()
-                late = self._out.add(event, layout.nbytes, self.in_flight_limit, model.done)
+                window = self._out.setdefault(tensor.device, _Window())
+                late = window.add(event, layout.nbytes, self.in_flight_limit, model.done)
             if late is not None:
                 model.host_wait(late)
         return handle
@@ -333,7 +336,7 @@ class HostCopies:
         A layer's input is saved by each projection, each time as a view of its own; all share one copy.  The
         owner being alive is what proves the address still names that storage (a freed one's may be reused).
         """
-        if not layout.exact:
+        if not layout.exact or tensor.is_conj() or tensor.is_neg():  # a lazy conj/neg view: other values
             return None
         with self._lock:
             handle = self._by_span.get(_span_key(tensor, layout))
@@ -355,6 +358,8 @@ class HostCopies:
         with self._lock:
             self._unfetched.pop(handle.order, None)
             upcoming = self._preceding(handle.order, prefetch) if prefetch and self.model.asynchronous else []
+        if handle.on_device is not None and handle.on_device._version != handle.back_version:
+            handle.on_device = None  # an earlier user wrote into the shared copy: the host block is intact
         if handle.on_device is None:
             self._copy_back(handle)
         for later in upcoming:
@@ -362,17 +367,22 @@ class HostCopies:
         current = self.model.current_stream(handle.device)
         self.model.wait_event(current, handle.event)
         flat = handle.on_device
-        handle.fetches += 1
-        if handle.fetches % handle.users == 0:
+        with self._lock:
+            handle.fetches += 1
+            last = handle.fetches % handle.users == 0
+        if last:
             handle.on_device = None  # its last save has it: a second backward copies again
+        elif handle.fetches == 1:
+            _release_when_backward_ends(handle)
         with _python_dispatch_off(), torch.no_grad():
             tensor = layout.place(flat)
             self.model.record_stream(flat, current)  # allocated on the inbound stream, used on this one
         if self.model.asynchronous:
             arrival = self.model.record_event(current)  # the compute stream gets to this tensor's use
             with self._lock:
-                brought, self._brought_back = self._brought_back, 0
-                late = self._back.add(arrival, brought, self.in_flight_limit, self.model.done)
+                brought = self._brought_back.pop(handle.device, 0)
+                window = self._back.setdefault(handle.device, _Window())
+                late = window.add(arrival, brought, self.in_flight_limit, self.model.done)
             if late is not None:
                 self.model.host_wait(late)
         return tensor
@@ -416,9 +426,9 @@ class HostCopies:
             model.wait_event(inbound, handle.event)
             flat = raw[layout.pad:].view(layout.dtype)
             handle.event = model.copy(flat, handle.block[: layout.nbytes].view(layout.dtype), inbound, False)
-            handle.on_device = flat
+            handle.on_device, handle.back_version = flat, flat._version
         with self._lock:
-            self._brought_back += layout.nbytes
+            self._brought_back[handle.device] = self._brought_back.get(handle.device, 0) + layout.nbytes
 
     def _preceding(self, order: int, count: int) -> list[Stashed]:
         """The live tensors among the ``count`` stashed just before ``order`` that are not on their way back yet.
@@ -450,6 +460,19 @@ class HostCopies:
         for key in [k for k, ref in self._unfetched.items() if ref() is None]:
             del self._unfetched[key]
         self._sweep_at = max(64, 2 * len(self._unfetched))
+
+
+def _release_when_backward_ends(handle: Stashed) -> None:
+    """A copy shared by several saves is held until each has fetched it; one that is never fetched (a save
+    backward does not reach) must not hold it past this backward."""
+    if torch._C._current_graph_task_id() == -1:
+        return  # fetched outside a backward (by hand): the caller owns the lifetime
+
+    def release() -> None:
+        handle.on_device = None
+        handle.fetches = 0
+
+    torch.autograd.Variable._execution_engine.queue_callback(release)
 
 
 def _span_key(tensor: torch.Tensor, layout: _Layout) -> tuple:

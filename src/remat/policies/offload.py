@@ -35,9 +35,10 @@ _PREFETCH_DEPTH = 2
 
 
 def _owned_by_a_leaf(tensor: torch.Tensor) -> bool:
-    """Whether a leaf that requires grad (a parameter, an input) owns the tensor's storage: moving it frees nothing."""
+    """Whether a parameter (frozen ones too) or a leaf that requires grad (an input) owns the tensor's storage:
+    moving it frees nothing."""
     owner = tensor._base if tensor._base is not None else tensor
-    return owner.is_leaf and owner.requires_grad
+    return owner.is_leaf and (owner.requires_grad or isinstance(owner, nn.Parameter))
 
 
 class OffloadStats:
