@@ -581,6 +581,18 @@ def _set_recompile_limit(limit: int) -> None:
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
 
 
+def _report(entries: list[dict[str, Any]], info: dict[str, Any], path: str | None) -> None:
+    """Print the rows' table (and the plans' predictions, if any); save them to ``path`` as JSON."""
+    print(format_table(entries))
+    if any(e["predicted_peak"] is not None for e in entries):
+        print("\nremat's plans, predicted vs measured (peak above the step's start; extra time over plain):")
+        print(format_plans(entries))
+    sys.stdout.flush()
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump({**info, "rows": entries}, f, indent=2, default=str)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
@@ -608,22 +620,23 @@ def main(argv: list[str] | None = None) -> int:
             row.predicted_extra, row.predicted_step = plan.predicted_extra_time, plan.step_time
     entries = summarize(rows, rows["plain"])
     work.free()
+    # The eager table is printed (and saved) before the compiled phase starts: compiling every mode takes
+    # minutes, and a run cut short there still leaves the eager rows.
+    _report(entries, info, args.json)
 
     builders = [b for key, b in compiled_modes(work, plans).items() if key in keys] if compile_rows else []
     if builders:
         _set_recompile_limit(64)
         modes = [Mode("plain", "plain", work.step)] + [build_mode() for build_mode in builders]
         compiled_rows = run_phase(work, modes, args.rounds, args.warmup, "compiled")
-        entries += [e for e in summarize(compiled_rows, compiled_rows["plain"]) if e["key"] != "plain"]
+        compiled = [e for e in summarize(compiled_rows, compiled_rows["plain"]) if e["key"] != "plain"]
         del modes, builders, compiled_rows
         work.free()
-
-    print(format_table(entries))
-    if any(e["predicted_peak"] is not None for e in entries):
-        print("\nremat's plans, predicted vs measured (peak above the step's start; extra time over plain):")
-        print(format_plans(entries))
-    with open(args.json, "w") as f:
-        json.dump({**info, "rows": entries}, f, indent=2, default=str)
+        print("\ncompiled (each row's ratio is to plain eager, run in the same rounds):")
+        _report(compiled, info, None)
+        entries += compiled
+        with open(args.json, "w") as f:
+            json.dump({**info, "rows": entries}, f, indent=2, default=str)
     failed = [e["label"] for e in entries if (e["failure"] or "").startswith("failed")]
     if failed:
         print(f"\nfailed rows (tracebacks above): {'; '.join(failed)}", file=sys.stderr)
