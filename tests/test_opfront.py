@@ -13,7 +13,7 @@ from torch import nn
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.planning.blockpolicy import BlockPolicy, OpDecision, apply_block_policies, remove_block_policies, resolve_op
-from remat.planning.fronts import block_front, evaluate, fronts, needed_ops, policy_for, thin_front
+from remat.planning.fronts import block_front, evaluate, fronts, needed_ops, offload_twins, policy_for, thin_front
 from remat.planning.opgraph import profile_ops
 from remat.planning.overheads import Overheads, measure_overheads
 from remat.tools.bench import WideBlock
@@ -299,7 +299,7 @@ def test_bad_input_gets_clear_errors():
         BlockPolicy("sometimes")
     with pytest.raises(ValueError, match="keeps no op outputs"):
         BlockPolicy("checkpoint", [OpDecision("aten.addmm.default", 0, 4, "keep")])
-    with pytest.raises(ValueError, match="'keep' or 'recompute'"):
+    with pytest.raises(ValueError, match="one of \\['keep', 'offload', 'recompute'\\]"):
         BlockPolicy("selective", [OpDecision("aten.addmm.default", 0, 4, "maybe")])
     with pytest.raises(ValueError, match="not a block policy"):
         BlockPolicy.from_dict({"ops": []})
@@ -379,3 +379,64 @@ def test_hugging_face_blocks_with_keyword_inputs_install_exactly(kind):
         apply_block_policies(model, {name: policy_for(graph, point) for name in prof.blocks})
         assert_bitwise(grads(), reference)
     remove_block_policies(model, list(prof.blocks))
+
+
+def _on_an_accelerator(graph, link):
+    """``graph`` priced as on an accelerator whose host link moves ``link`` bytes per second."""
+    graph = dataclasses.replace(graph, overheads=dataclasses.replace(graph.overheads, link_bytes_per_s=link))
+    graph.asynchronous = True
+    return graph
+
+
+def test_offload_twins_need_a_host_link_and_are_faster_at_equal_kept_bytes():
+    block, shape = _gpt_block()
+    cpu = _graph(block, shape)
+    assert not offload_twins(cpu, block_front(cpu))  # the CPU: nowhere cheaper to put bytes
+    with pytest.raises(ValueError, match="measured host link"):
+        evaluate(cpu, "selective", [], [cpu.keepable[0]])
+    most = {}
+    for link in (1e8, 1e10):
+        graph = _on_an_accelerator(cpu, link)
+        front = block_front(graph)
+        assert front == block_front(cpu) or all(not p.offloaded for p in front)  # the front itself: no offload
+        twins = offload_twins(graph, front)
+        assert twins, link
+        for point in twins:
+            # Same bytes kept as the point without offload, less time: each output moved spares its kernel.
+            plain = evaluate(graph, "selective", point.kept)
+            assert point.kept_bytes == plain.kept_bytes and point.extra_time < plain.extra_time
+            assert point.offloaded_bytes == sum(graph.nodes[i].out_bytes for i in point.offloaded)
+            # What comes back for the recomputation is held there.
+            assert point.recompute_peak >= point.offloaded_bytes
+            # The copies cost what the block's forward and its recomputation leave unhidden.
+            one_way = point.offloaded_bytes / link
+            served = sorted((*point.kept, *point.offloaded))
+            rerun = evaluate(graph, "selective", served).extra_time
+            assert point.copy_time == pytest.approx(max(0, one_way - graph.forward_time) + max(0, one_way - rerun))
+            assert point.extra_time == pytest.approx(rerun + point.copy_time)
+        most[link] = max(p.offloaded_bytes for p in twins)
+    assert most[1e10] >= most[1e8]  # a faster link hides more
+
+
+def test_an_offloading_point_installs_and_gives_plain_gradients():
+    from fake_device import FakeDevice
+
+    from remat.policies.hostcopy import use_device_model
+
+    block, shape = _gpt_block()
+    graph = _on_an_accelerator(_graph(block, shape), 1e10)
+    point = max(offload_twins(graph, block_front(graph)), key=lambda p: p.offloaded_bytes)
+    policy = policy_for(graph, point)
+    loaded = BlockPolicy.from_dict(json.loads(json.dumps(policy.to_dict())))
+    assert loaded == policy and loaded.offloaded_bytes == point.offloaded_bytes
+    assert {(d.op, d.call) for d in loaded.decisions if d.decision == "offload"} == {
+        (graph.nodes[i].op, graph.nodes[i].call) for i in point.offloaded}
+    reference = _grads(block, block, shape)
+    fake = FakeDevice()
+    with use_device_model("cpu", fake):
+        got = _grads(loaded.wrap(block), block, shape)
+    assert_bitwise(got, reference)
+    # Each offloaded op's outputs (a layer norm's mean and rstd too) went out once, and came back once.
+    out = sum(c.nbytes for c in fake.copies if c.to_host)
+    assert out == sum(graph.nodes[i].out_bytes for i in point.offloaded)
+    assert sum(c.nbytes for c in fake.copies if not c.to_host) == out

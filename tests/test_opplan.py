@@ -120,3 +120,40 @@ def test_printed_plan_summarises_each_block(case):
         if decision == "selective":
             assert str(plan.blocks[name]["recomputed_ops"]) in line and "#" in line  # ops rerun, kept op#call
     assert "Predicted peak" in text
+
+
+def test_plans_on_an_accelerator_offload_what_the_link_hides_and_say_so(case):
+    import copy
+
+    from fake_device import FakeDevice
+
+    from remat.policies.hostcopy import use_device_model
+
+    model, tokens, loss_fn, prof = case
+    ops = remat.profile_ops(model, tokens, timing="estimate",
+                            overheads=Overheads(0.0, 0.0, 0.0, 0.0, 0.0, link_bytes_per_s=1e13))
+    for graph in ops.blocks.values():
+        # priced as on a GPU whose host link outruns the (roofline) kernels: offloading is all but free
+        graph.asynchronous = True
+    accelerated = copy.copy(prof)
+    accelerated.ops = ops
+    # Moved outputs come back together for the recomputation: a block that offloads holds them there, so the
+    # plan offloads where the step's peak leaves room for that (here, in two blocks of three at 70%).
+    plan = accelerated.plan(0.7, allow=("selective",))
+    moved = {name: block["offloaded"] for name, block in plan.blocks.items() if block.get("offloaded")}
+    assert moved
+    text = str(plan)
+    for name, nbytes in moved.items():
+        line = next(line for line in text.splitlines() if line.startswith(name + " "))
+        assert "offloads" in line and "unhidden" in line
+        decisions = plan.policies[name]["ops"]
+        assert sum(d["bytes"] for d in decisions if d["decision"] == "offload") == nbytes
+    # CPU prices never offload
+    assert not any(block.get("offloaded") for block in prof.plan(0.7, allow=("selective",)).blocks.values())
+    expected = _step(model, tokens, loss_fn)
+    planned = copy.deepcopy(model)
+    plan.apply(planned)
+    with use_device_model("cpu", FakeDevice()) as engine:
+        got = _step(planned, tokens, loss_fn)
+    assert_bitwise(got, expected)
+    assert engine.pool().allocations > 0  # the offloaded outputs really travelled

@@ -11,9 +11,10 @@ Modes:
 * ``keep``: the block runs as is (plain autograd keeps what it saves);
 * ``checkpoint``: plain checkpointing, no per-op dispatch at all;
 * ``selective``: checkpointing with a selective-checkpoint policy that keeps
-  the ``keep`` entries and recomputes everything else.  The policy is a
-  per-op lookup in a precomputed table of call indices, with a counter per
-  op that starts afresh in every checkpointed call of the block.
+  the ``keep`` entries, moves the ``offload`` entries to host memory until the
+  recomputation is served them (on an accelerator), and recomputes everything
+  else.  The policy is a per-op lookup in a precomputed table of call indices,
+  with a counter per op that starts afresh in every checkpointed call of the block.
 
 :func:`measure_overheads` measures, on this host, what the checkpoint
 machinery itself costs (per region, per saved tensor, per op dispatched under
@@ -46,7 +47,9 @@ __all__ = [
 
 MODES = ("keep", "checkpoint", "selective")
 _SAVE = CheckpointPolicy.MUST_SAVE
+_OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
 _RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+_DECISIONS = {"keep": _SAVE, "offload": _OFFLOAD, "recompute": None}
 
 
 def resolve_op(name: str) -> torch._ops.OpOverload:
@@ -71,7 +74,7 @@ def resolve_op(name: str) -> torch._ops.OpOverload:
 
 @dataclass(frozen=True)
 class OpDecision:
-    """What one op output of a block gets: ``decision`` is ``"keep"`` or ``"recompute"``."""
+    """What one op output of a block gets: ``decision`` is ``"keep"``, ``"offload"`` or ``"recompute"``."""
 
     op: str
     call: int
@@ -93,23 +96,22 @@ class BlockPolicy:
         if mode not in MODES:
             raise ValueError(f"remat: unknown block policy mode {mode!r}; choose from {list(MODES)}.")
         decisions = list(decisions or [])
-        bad = [d for d in decisions if d.decision not in ("keep", "recompute")]
+        bad = [d for d in decisions if d.decision not in _DECISIONS]
         if bad:
-            raise ValueError(f"remat: an op decision must be 'keep' or 'recompute', got {bad[0].decision!r}.")
-        if mode != "selective" and any(d.decision == "keep" for d in decisions):
+            raise ValueError(f"remat: an op decision must be one of {list(_DECISIONS)}, got {bad[0].decision!r}.")
+        if mode != "selective" and any(d.decision != "recompute" for d in decisions):
             raise ValueError(f"remat: a {mode!r} block policy keeps no op outputs; use mode='selective'.")
         self.mode = mode
         self.decisions = decisions
-        table: dict[Any, set[int]] = {}
+        table: dict[Any, dict[int, CheckpointPolicy]] = {}
         for d in decisions:
-            if d.decision == "keep":
-                table.setdefault(resolve_op(d.op), set()).add(d.call)
-        self._keep = {op: frozenset(calls) for op, calls in table.items()}
-        keep = self._keep
+            if d.decision != "recompute":
+                table.setdefault(resolve_op(d.op), {})[d.call] = _DECISIONS[d.decision]
+        self._table = table
 
         def call_rule(op: Any, index: int) -> CheckpointPolicy | None:
-            calls = keep.get(op)
-            return _SAVE if calls is not None and index in calls else None
+            calls = table.get(op)
+            return calls.get(index) if calls is not None else None
 
         # One rules policy for every call: remat counts the calls, and the region's tape (remat.policies.tape)
         # is learned once and followed from then on.
@@ -125,6 +127,11 @@ class BlockPolicy:
         """Bytes of the kept op outputs (as profiled)."""
         return sum(d.bytes for d in self.decisions if d.decision == "keep")
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of the op outputs moved to host memory (as profiled)."""
+        return sum(d.bytes for d in self.decisions if d.decision == "offload")
+
     def policy_fn(self) -> Callable[..., CheckpointPolicy]:
         """A fresh policy function for one checkpointed call (its call counters start at zero).
 
@@ -134,16 +141,16 @@ class BlockPolicy:
         Example:
             >>> y = remat.checkpoint(block, x, policy=policy.policy_fn())  # for one call only
         """
-        keep = self._keep
-        counts = dict.fromkeys(keep, 0)
+        table = self._table
+        counts = dict.fromkeys(table, 0)
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            calls = keep.get(op)
+            calls = table.get(op)
             if calls is None:
                 return _RECOMPUTE
             index = counts[op]
             counts[op] = index + 1
-            return _SAVE if index in calls else _RECOMPUTE
+            return calls.get(index, _RECOMPUTE)
 
         return policy
 

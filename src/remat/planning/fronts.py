@@ -34,8 +34,15 @@ that is not kept and holds it until backward uses it; ``recompute_peak`` is
 the most it holds at once (rebuilt saved tensors plus temporaries alive at
 that op, from the storage lives of a plain forward), and ``backward_extra``
 is how far that takes the block above plain autograd at the same moment.
-Offloading is not a front option on a CPU host (there is nowhere cheaper to
-put the bytes).
+Offloading: on an accelerator with a measured host link (``link_bytes_per_s``), a selective point may also
+move op outputs to host memory (``offloaded``).  An offloaded output is served to the recomputation like a
+kept one (it spares its kernel) but holds no device memory between forward and backward; it comes back for
+the recomputation, so it counts in ``recompute_peak``.  Its copies cost only what the block's compute cannot
+hide: ``max(0, O / link - forward) + max(0, O / link - recomputation)`` for ``O`` offloaded bytes (the copy
+out runs behind the block's forward, the copy back behind its recomputation).  Each point of the keep /
+recompute front may get a twin with the offload set a greedy pass picks (outputs by kernel time spared per
+byte, while the step gets faster): :func:`offload_twins`.  Not an option on a CPU host (there is nowhere
+cheaper to put the bytes).
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from .opgraph import BlockGraph, OpProfile
 from .prices import BlockPrices
 from .units import format_bytes
 
-__all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "policy_for", "thin_front"]
+__all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "offload_twins", "policy_for",
+           "thin_front"]
 
 
 @dataclass(frozen=True)
@@ -71,12 +79,18 @@ class FrontPoint:
     recompute_peak: int
     backward_extra: int
     recomputed_ops: int
+    offloaded: tuple[int, ...] = ()
+    offloaded_bytes: int = 0
+    copy_time: float = 0.0  # of extra_time: the offload copies' time the block's compute does not hide
 
     def describe(self, graph: BlockGraph) -> str:
-        """One line: mode, kept bytes, what is kept, extra time."""
-        names = ", ".join(f"{graph.nodes[i].op.split('.')[1]}#{graph.nodes[i].call}" for i in self.kept)
-        what = f" keeps {names}" if names else ""
-        return (f"{self.mode}: {format_bytes(self.kept_bytes)} kept{what}; {self.recomputed_ops} ops rerun, "
+        """One line: mode, kept bytes, what is kept (and offloaded), extra time."""
+        def names(nodes: tuple[int, ...]) -> str:
+            return ", ".join(f"{graph.nodes[i].op.split('.')[1]}#{graph.nodes[i].call}" for i in nodes)
+
+        what = f" keeps {names(self.kept)}" if self.kept else ""
+        moved = f", offloads {format_bytes(self.offloaded_bytes)} ({names(self.offloaded)})" if self.offloaded else ""
+        return (f"{self.mode}: {format_bytes(self.kept_bytes)} kept{what}{moved}; {self.recomputed_ops} ops rerun, "
                 f"+{self.extra_time * 1e3:.2f} ms, backward +{format_bytes(self.backward_extra)}")
 
 
@@ -96,6 +110,8 @@ class _CostModel:
         self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)
                       for s in graph.storages if s.producer < stop]
         self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
+        link = graph.overheads.link_bytes_per_s
+        self.link = link if graph.asynchronous and link > 0 else 0.0
 
     def recompute_peak(self, kept: set[int]) -> int:
         """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
@@ -111,31 +127,67 @@ class _CostModel:
             peak = max(peak, running)
         return peak
 
-    def point(self, mode: str, kept: tuple[int, ...]) -> FrontPoint:
+    def copy_time(self, offloaded_bytes: int, served: tuple[int, ...]) -> float:
+        """Seconds of offload copies the block's forward and recomputation (``served`` not rerun) leave unhidden."""
+        if not offloaded_bytes:
+            return 0.0
+        one_way = offloaded_bytes / self.link
+        rerun = self.prices.time("selective", served)
+        return max(0.0, one_way - self.graph.forward_time) + max(0.0, one_way - rerun)
+
+    def point(self, mode: str, kept: tuple[int, ...], offloaded: tuple[int, ...] = ()) -> FrontPoint:
         graph = self.graph
         if mode == "keep":
             return FrontPoint("keep", (), graph.keep_all_bytes, graph.input_saved_bytes, 0.0, 0, 0, 0)
-        if mode not in ("checkpoint", "selective") or (mode == "checkpoint" and kept):
+        if mode not in ("checkpoint", "selective") or (mode == "checkpoint" and (kept or offloaded)):
             raise ValueError(
                 f"remat: mode must be 'keep', 'checkpoint' or 'selective' (with kept nodes), got {mode!r}.")
-        if not self.keepable.issuperset(kept):
-            raise ValueError(f"remat: nodes {sorted(set(kept) - self.keepable)} cannot be kept; choose from "
-                             "graph.keepable.")
+        if not self.keepable.issuperset(kept + offloaded) or set(kept) & set(offloaded):
+            raise ValueError(f"remat: nodes {sorted(set(kept + offloaded) - self.keepable)} cannot be kept or "
+                             "offloaded (choose from graph.keepable), and none may be both.")
+        if offloaded and not self.link:
+            raise ValueError("remat: offloading needs an accelerator with a measured host link "
+                             "(graph.overheads.link_bytes_per_s); on the CPU there is nowhere cheaper to put bytes.")
         nodes = graph.nodes
-        time = self.prices.time(mode, kept)
+        served = tuple(sorted(kept + offloaded))
+        moved = sum(nodes[i].out_bytes for i in offloaded)
+        copies = self.copy_time(moved, served)
+        time = self.prices.time(mode, served) + copies
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
-        peak = self.recompute_peak(set(kept))
+        peak = self.recompute_peak(set(served)) + moved
         return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
-                          max(0, kept_bytes + peak - graph.keep_all_bytes), self.rerun - len(kept))
+                          max(0, kept_bytes + peak - graph.keep_all_bytes), self.rerun - len(served),
+                          offloaded, moved, copies)
+
+    def with_offload(self, point: FrontPoint) -> FrontPoint | None:
+        """``point`` with the op outputs it recomputes moved to host memory where that makes the step faster
+        (greedy, by kernel time spared per byte); None where nothing is worth moving."""
+        if not self.link or point.mode == "keep":
+            return None
+        kept, nodes = point.kept, self.graph.nodes
+        candidates = sorted((i for i in self.keepable - set(kept) if self.gain[i] > 0 and nodes[i].out_bytes),
+                            key=lambda i: (-self.gain[i] / nodes[i].out_bytes, i))
+        chosen: list[int] = []
+        moved, best = 0, point.extra_time
+        for i in candidates:
+            served = tuple(sorted((*kept, *chosen, i)))
+            nbytes = moved + nodes[i].out_bytes
+            time = self.prices.time("selective", served) + self.copy_time(nbytes, served)
+            if time >= best:
+                break
+            chosen.append(i)
+            moved, best = nbytes, time
+        return self.point("selective", kept, tuple(sorted(chosen))) if chosen else None
 
 
-def evaluate(graph: BlockGraph, mode: str, kept: Iterable[int] = ()) -> FrontPoint:
-    """The cost model's prediction for running ``graph``'s block in ``mode`` keeping the ``kept`` nodes.
+def evaluate(graph: BlockGraph, mode: str, kept: Iterable[int] = (), offloaded: Iterable[int] = ()) -> FrontPoint:
+    """The cost model's prediction for running ``graph``'s block in ``mode`` keeping the ``kept`` nodes (and
+    moving the ``offloaded`` ones to host memory, on an accelerator).
 
     Example:
         >>> evaluate(graph, "selective", [graph.keepable[0]]).kept_bytes
     """
-    return _CostModel(graph).point(mode, tuple(sorted(set(kept))))
+    return _CostModel(graph).point(mode, tuple(sorted(set(kept))), tuple(sorted(set(offloaded))))
 
 
 def _knapsack(items: list[tuple[int, float, int]]) -> list[tuple[int, float, tuple[int, ...]]]:
@@ -185,6 +237,20 @@ def block_front(graph: BlockGraph) -> list[FrontPoint]:
     return front
 
 
+def offload_twins(graph: BlockGraph, points: Iterable[FrontPoint]) -> list[FrontPoint]:
+    """Each of ``points`` with the op outputs it recomputes moved to host memory where the step gets faster
+    (see the module docstring); points where nothing is worth moving, and every point on a CPU, have none.
+
+    A twin keeps the same bytes in less time but brings its offloaded outputs back for its recomputation, so
+    it does not replace its point on the front: the plan weighs both against the step's peak.
+
+    Example:
+        >>> twins = offload_twins(graph, block_front(graph))
+    """
+    model = _CostModel(graph)
+    return [twin for twin in map(model.with_offload, points) if twin is not None]
+
+
 def fronts(profile: OpProfile) -> dict[str, list[FrontPoint]]:
     """The front of every block of ``profile``, solved once per distinct graph (blocks share the list).
 
@@ -227,10 +293,10 @@ def policy_for(graph: BlockGraph, point: FrontPoint) -> BlockPolicy:
     """
     if point.mode == "keep":
         return BlockPolicy("keep")
-    kept = set(point.kept)
+    kept, offloaded = set(point.kept), set(point.offloaded)
     return BlockPolicy(point.mode, [
         OpDecision(graph.nodes[i].op, graph.nodes[i].call, graph.nodes[i].out_bytes,
-                   "keep" if i in kept else "recompute")
+                   "keep" if i in kept else "offload" if i in offloaded else "recompute")
         for i in graph.keepable
     ])
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .blockpolicy import BlockPolicy
-from .fronts import FrontPoint, fronts, policy_for, thin_front
+from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
 from .profile import ModuleProfile, StepProfile
 
@@ -50,7 +50,8 @@ class BlockOption:
     backward and reruns there, raising that backward by ``transient`` bytes above the live bytes at its
     start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
     the built-in options, installed by name).  ``policy``: the op-level decisions of a ``selective`` option
-    (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known.
+    (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known;
+    ``copy_time``: the part of ``extra_time`` its offload copies leave unhidden.
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -65,6 +66,7 @@ class BlockOption:
     wrap: Callable[[nn.Module], nn.Module] | None = field(default=None, compare=False)
     policy: BlockPolicy | None = field(default=None, compare=False)
     recomputed_ops: int | None = field(default=None, compare=False)
+    copy_time: float = field(default=0.0, compare=False)  # of extra_time: offload copies left unhidden
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that
@@ -126,7 +128,8 @@ def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12) -> di
             continue
         graph = ops.blocks[row.name]
         interior = [p for p in thin_front(front, points + 2) if p.mode == "selective"]
-        options[row.name] = [_option(row, graph, front[0], p) for p in interior]
+        twins = offload_twins(graph, [front[0], *interior])  # on an accelerator: offloading what the link hides
+        options[row.name] = [_option(row, graph, front[0], p) for p in (*interior, *twins)]
     return options
 
 
@@ -142,4 +145,5 @@ def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point
         wrap=policy.wrap,
         policy=policy,
         recomputed_ops=point.recomputed_ops,
+        copy_time=point.copy_time * scale,
     )

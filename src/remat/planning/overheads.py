@@ -30,7 +30,10 @@ class Overheads:
     (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
     op dispatched under a selective policy in forward / in recomputation;
     ``copy_per_byte``: per byte of one copy on the model's device (a kept
-    random in-place op is copied in forward and copied back in recomputation).
+    random in-place op is copied in forward and copied back in recomputation);
+    ``link_bytes_per_s``: bytes per second between the device and pinned host
+    memory, the slower way (0 where the device's memory is the host's: nothing
+    to gain by offloading).
     """
 
     region: float
@@ -38,6 +41,7 @@ class Overheads:
     policy_forward: float
     policy_replay: float
     copy_per_byte: float
+    link_bytes_per_s: float = 0.0
 
 
 def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -108,4 +112,22 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         policy_forward=max((t["recorder"] - t["forward"]) / ops, 0.0),
         policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
         copy_per_byte=t["copy"] / copy_bytes,
+        link_bytes_per_s=_link_bandwidth(block, copy_clock, rounds),
     )
+
+
+def _link_bandwidth(block: torch.Tensor, clock: Clock, rounds: int) -> float:
+    """Bytes per second of copies between ``block``'s device and pinned host memory, the slower way; 0 on the
+    CPU (and on an accelerator whose memory cannot be pinned for it)."""
+    if block.device.type in ("cpu", "meta"):
+        return 0.0
+    try:
+        host = torch.empty_like(block, device="cpu", pin_memory=True)
+    except RuntimeError:
+        return 0.0
+    seconds = []
+    for dst, src in ((host, block), (block, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        seconds.append(statistics.median(clock.time(lambda d=dst, s=src: d.copy_(s, non_blocking=True))[1]
+                                         for _ in range(rounds)))
+    return block.numel() * block.element_size() / max(seconds)

@@ -160,8 +160,10 @@ class Plan:
             kept = format_bytes(block["kept"]) if "kept" in block else ""
             extra = f"{block['extra_time'] * 1e3:.1f}" if "extra_time" in block else ""
             rerun = str(block.get("recomputed_ops", ""))
+            moved = (f"; offloads {format_bytes(block['offloaded'])}, copies "
+                     f"+{block['copy_time'] * 1e3:.1f} ms unhidden" if block.get("offloaded") else "")
             lines.append(f"{name:<{width}}  {decision:<12} {kept:>10} {extra:>9} {rerun:>9}  "
-                         f"{_kept_ops(self.policies.get(name))}".rstrip())
+                         f"{_kept_ops(self.policies.get(name))}{moved}".rstrip())
         summary = ", ".join(f"{count} {option}" for option, count in counts.items() if count)
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes

@@ -371,10 +371,14 @@ def plan_from_profile(
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
-    """What ``print(plan)`` shows of one block: bytes it keeps of its own, extra time, ops it reruns."""
+    """What ``print(plan)`` shows of one block: bytes it keeps of its own, extra time, ops it reruns, bytes it
+    offloads and their copy time the compute does not hide."""
     summary: dict[str, Any] = {"kept": option.kept if option.name != "keep" else own_bytes,
                                "extra_time": option.extra_time}
     if option.recomputed_ops is not None:
         summary["recomputed_ops"] = option.recomputed_ops
+    if option.policy is not None and option.policy.offloaded_bytes:
+        summary["offloaded"] = option.policy.offloaded_bytes
+        summary["copy_time"] = option.copy_time
     return summary
 
