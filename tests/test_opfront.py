@@ -440,3 +440,7 @@ def test_an_offloading_point_installs_and_gives_plain_gradients():
     out = sum(c.nbytes for c in fake.copies if c.to_host)
     assert out == sum(graph.nodes[i].out_bytes for i in point.offloaded)
     assert sum(c.nbytes for c in fake.copies if not c.to_host) == out
+
+
+def test_the_cpu_has_no_host_link_to_offload_over():
+    assert measure_overheads(rounds=1, ops=4, device="cpu").link_bytes_per_s == 0.0
