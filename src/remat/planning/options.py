@@ -37,7 +37,7 @@ __all__ = ["BlockOption", "block_options", "selective_options"]
 
 OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload")
 DEFAULT_ALLOW = OPTIONS[1:]
-_OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice
+_OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice: where none was measured
 _GRID = 2.0**32  # prices per second
 
 
@@ -89,6 +89,8 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(DEFAULT_ALLOW)}.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
+    measured = [g.overheads.link_bytes_per_s for g in prof.ops.blocks.values()] if prof.ops is not None else []
+    link = max(measured, default=0.0) or _OFFLOAD_BYTES_PER_SECOND
     selective = {}
     if "selective" in allow and prof.ops is not None:
         from .options import selective_options
@@ -106,7 +108,7 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
                                        row.recompute_bytes, True))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "offload" in allow and on_accelerator:
-            copy_time = 2 * row.own_bytes / _OFFLOAD_BYTES_PER_SECOND
+            copy_time = 2 * row.own_bytes / link
             choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))
         per_block.append(choices)
     return per_block
