@@ -12,7 +12,7 @@ import pytest
 import torch
 from fake_device import FakeDevice, TorchStyleModule
 from helpers import MLPStack, assert_bitwise, grads
-from offload_cases import Layouts, check_layouts, entry_points, offload_everything, offload_matmuls, record_layouts
+from offload_cases import OFFLOAD, Layouts, check_layouts, entry_points, offload_everything, offload_matmuls, record_layouts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -519,3 +519,74 @@ def test_a_shared_copy_a_backward_never_fetched_is_let_go_when_it_ends(fake):
     handles = [h for h in fake.engine._by_span.values()]
     assert handles and all(h.on_device is None for h in handles)
     del unused
+
+
+def _offloading(rule_ops):
+    """A rules policy offloading ``rule_ops``' outputs, with a count of how often remat asks it (only while it
+    records a forward: a region that follows its tape never asks)."""
+    asked = [0]
+
+    def op_rule(op):
+        asked[0] += 1
+        return OFFLOAD if op in rule_ops else None
+
+    return remat.policies.Policy(op_rule=op_rule, name="offload counting"), asked
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_an_offloading_policy_follows_its_tape_and_copies_the_same_every_step(fake, p):
+    torch.manual_seed(0)
+    model = MLPStack(depth=3, p=p)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *model.parameters()]
+    policy, asked = _offloading(remat.policies.MATMUL_OPS)
+    per_step = []
+    for step in range(3):
+        expected = grads(lambda: model(x).sum(), params, seed=step)
+        asked[0], stats, copies = 0, remat.OffloadStats(), len(fake.copies)
+        ctx = functools.partial(remat.create_selective_checkpoint_contexts, policy, stats=stats)
+        got = grads(lambda: model(x, wrap=lambda b, t: remat.checkpoint(b, t, context_fn=ctx)).sum(), params,
+                    seed=step)
+        assert_bitwise(expected[1], got[1])
+        assert (asked[0] > 0) == (step == 0)  # from the second step on the regions follow their tapes
+        new = fake.copies[copies:]
+        per_step.append((stats.offloaded_tensors, stats.offloaded_bytes, sum(c.to_host for c in new),
+                         sum(not c.to_host for c in new)))
+    assert per_step[0][0] > 0 and per_step == [per_step[0]] * 3
+    assert not fake.calls("host waits")
+
+
+def test_a_followed_tape_holds_the_bytes_of_a_recorded_forward(fake):
+    # Held in a placeholder, an offloaded output would stay on the device besides its host copy.
+    torch.manual_seed(0)
+    block = MLPStack(depth=1, width=64, hidden=256, p=0.0).blocks[0]
+    x = torch.randn(128, 64, requires_grad=True)
+    policy, asked = _offloading(remat.policies.MATMUL_OPS)
+
+    def step():
+        remat.checkpoint(block, x, policy=policy).sum().backward()
+
+    step()  # gradients exist from here on; this call learns the tape
+    with remat.policies.tapes(False):
+        recorded = remat.measure_step(step, block).peak_above_params
+    asked[0] = 0
+    followed = remat.measure_step(step, block).peak_above_params
+    assert asked[0] == 0 and followed == recorded
+
+
+def test_an_offloaded_output_changed_in_place_is_recomputed_when_following_the_tape_too(fake):
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def changes_its_matmul(t):
+        h = t @ w
+        h.mul_(2)
+        return h.sin()
+
+    policy, asked = _offloading(remat.policies.MATMUL_OPS)
+    x = torch.randn(8, 8, requires_grad=True)
+    for step in range(3):
+        stats = remat.OffloadStats()
+        ctx = functools.partial(remat.create_selective_checkpoint_contexts, policy, stats=stats)
+        got = torch.autograd.grad(remat.checkpoint(changes_its_matmul, x, context_fn=ctx).sum(), [x, w])
+        assert_bitwise(torch.autograd.grad(changes_its_matmul(x).sum(), [x, w]), got)
+        assert stats.offloaded_tensors == 0

@@ -70,6 +70,13 @@ class _KeptOutputs:
     def __init__(self, outputs: Any, offload: bool) -> None:
         self.structure = tree_map(lambda t: _Kept(t, offload) if isinstance(t, torch.Tensor) else t, outputs)
 
+    @classmethod
+    def of(cls, structure: Any) -> _KeptOutputs:
+        """Outputs already kept one by one (``structure`` holds :class:`_Kept` leaves)."""
+        kept = cls.__new__(cls)
+        kept.structure = structure
+        return kept
+
     def tensors(self) -> list[_Kept]:
         found: list[_Kept] = []
         tree_map(lambda k: found.append(k) if isinstance(k, _Kept) else None, self.structure)

@@ -129,10 +129,11 @@ class _Store:
     def follow(self, follower: _Follower) -> None:
         """The forward followed a tape: the replay is served what it captured (built when first needed)."""
         self.follower = follower
+        self.offloads |= follower.offloads
         if self.stats is not None:
             for _, _, kept in follower.kept():
                 for tensor in kept.tensors():
-                    self.stats.add(tensor.nbytes, offloaded=False)
+                    self.stats.add(tensor.nbytes, offloaded=tensor.offloaded)
 
     def materialize(self) -> None:
         """The slots and kept outputs of a forward that followed a tape, as the recording mode leaves them."""

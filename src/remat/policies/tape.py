@@ -14,7 +14,9 @@ and ``requires_grad``, equal plain arguments, same autocast) runs with no dispat
 keeps, or that comes from outside, is *held* in its placeholder (autograd gets it back without
 recomputation); the rest is dropped, and recomputed in backward by the usual replay, which is served the
 kept outputs the follower captured, by op and call index.  A policy that keeps every op output therefore
-never reruns the region, and one that keeps a region's matmuls reruns it with its matmuls served.
+never reruns the region, and one that keeps a region's matmuls reruns it with its matmuls served.  An output
+the policy offloads is never held: the follower starts its copy to host memory when it captures it, and the
+replay is served the copy, as after a recorded forward.
 
 Holding a saved tensor is what plain autograd does, so a tape can cost memory or recomputation but never
 correctness, with one condition: a served output must be the output of the op call the tape names.  The
@@ -26,7 +28,7 @@ with ``tapes(False)``.
 
 Tapes are used for :class:`~remat.policies.Policy` objects (op and call rules: pure functions of the op and
 its call index) without name rules.  A region keeps the dispatch mode on every call where its policy keeps an
-in-place random draw (dropout's mask on CPU, kept by value) or offloads, or where a kept output that no saved
+in-place random draw (dropout's mask on CPU, kept by value), or where a kept output that no saved
 tensor and no module output reaches comes before the replay's end (following the tape, the replay would rerun
 an op the recording serves).  One past that end is never read in backward: following the tape, it is not held.
 
@@ -48,7 +50,7 @@ from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .decisions import _RANDOM_WRITE, _VIEW_OR_INPLACE, _traits
-from .kept import _Draw, _keep, _Kept, _KeptOutputs
+from .kept import _Draw, _keep, _Kept, _KeptOutputs, _settle
 
 __all__ = ["tapes"]
 
@@ -85,6 +87,7 @@ class _Source:
     leaf: int  # position among the op's flattened outputs
     exact: bool  # the tensor is the output itself, not another view of its storage
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]  # the output's size, stride, storage offset
+    offloaded: bool = False  # kept in host memory: captured by copying it out, and never held on the device
 
 
 @dataclass
@@ -94,7 +97,7 @@ class _Tape:
     packs: list[tuple[torch.Size, torch.dtype, int, Any]]  # shape, dtype, version, source (None: drop)
     modules: dict[int, list[tuple[int, _Source]]]  # module call -> (output leaf, kept output it carries)
     slots: list[tuple[Any, int, int]]  # every op the region ran: op, action, calls
-    outputs: dict[tuple[int, int], tuple[Any, list[Any]]]  # kept call -> its outputs' spec and leaves
+    outputs: dict[tuple[int, int], tuple[Any, list[Any], bool]]  # kept call -> outputs' spec, leaves, offloaded
 
 
 @dataclass
@@ -218,16 +221,18 @@ class _Learner:
         kept = slot.kept.get(call)
         if kept is None or (isinstance(kept, _Draw) and kept.target is not None):
             return None  # recomputed, or kept as a private copy (an in-place draw): the storage is not kept
-        if any(k.offloaded for k in kept.tensors()):
-            return None  # kept in host memory: holding it on the device would undo the offload
-        return _Source(slot.op, call, leaf, _geometry(t) == geometry, geometry)
+        offloaded = any(k.offloaded for k in kept.tensors())
+        return _Source(slot.op, call, leaf, _geometry(t) == geometry, geometry, offloaded)
 
     def hold(self, index: int, t: torch.Tensor) -> bool:
         source = self._source(t)
         self.packs.append((t.shape, t.dtype, t._version, source))
-        if source is None:
-            self.replay_end = self.ops_run + 1  # the pack may come before or after its op's output is seen
-        return source is not None
+        held = source is not None and not (isinstance(source, _Source) and source.offloaded)
+        if not held:
+            # Rebuilt by the replay (an offloaded output is served to it from host memory, as recorded).
+            # The pack may come before or after its op's output is seen.
+            self.replay_end = self.ops_run + 1
+        return held
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
         found = []
@@ -260,8 +265,6 @@ class _Learner:
                     if kept.target is not None:
                         return self._refuse()  # an in-place draw is kept by value, not by its storage
                     kept = kept.kept
-                if any(k.offloaded for k in kept.tensors()):
-                    return self._refuse()
                 leaves, spec = tree_flatten(kept.structure if isinstance(kept, _KeptOutputs) else kept)
                 if any(isinstance(item, _Kept) and (id(slot.op), call, leaf) not in reached
                        for leaf, item in enumerate(leaves)):
@@ -270,7 +273,9 @@ class _Learner:
                     if self.position.get((id(slot.op), call), 0) < self.replay_end:
                         return self._refuse()
                     continue
-                outputs[(id(slot.op), call)] = (spec, [_TENSOR if isinstance(item, _Kept) else item for item in leaves])
+                offloaded = any(k.offloaded for k in kept.tensors())
+                outputs[(id(slot.op), call)] = (
+                    spec, [_TENSOR if isinstance(item, _Kept) else item for item in leaves], offloaded)
         slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
         self._file(_Tape(packs, modules, slots, outputs))
 
@@ -310,6 +315,27 @@ class _Follower:
             self.hook.remove()
         if self.seen != len(self.tape.packs):
             self.diverged = True
+        self._settle_offloaded()
+
+    def _settle_offloaded(self) -> None:
+        """Forward ended: as the recording mode does, a call whose offloaded output the region changed in
+        place while it was being copied is recomputed instead, and the device waits for the other copies."""
+        stashed = []
+        for key, leaves in list(self.captured.items()):
+            kept = [value for value, _ in leaves.values() if isinstance(value, _Kept)]
+            if not kept:
+                continue
+            if any(k.modified() for k in kept):
+                del self.captured[key]
+                continue
+            stashed.extend(k for k in kept if k.stashed is not None)
+        if stashed:
+            _settle(stashed)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the replay is served outputs kept in host memory."""
+        return any(offloaded for _, _, offloaded in self.tape.outputs.values())
 
     def hold(self, index: int, t: torch.Tensor) -> bool:
         packs = self.tape.packs
@@ -325,6 +351,7 @@ class _Follower:
             return False
         if source is not _EXTERNAL:
             self._capture(t, source)
+            return not source.offloaded
         return True
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
@@ -340,11 +367,15 @@ class _Follower:
                 self._capture(t, source)
 
     def _capture(self, t: torch.Tensor, source: _Source) -> None:
+        leaves = self.captured.setdefault((id(source.op), source.call), {})
+        if source.offloaded and source.leaf in leaves:
+            return  # saved twice: copied out once
         value = t.detach()  # no grad_fn: the frame that holds it must not keep the graph alive
         if not source.exact:
             size, stride, offset = source.geometry
             value = value.as_strided(size, stride, offset)
-        self.captured.setdefault((id(source.op), source.call), {})[source.leaf] = (value, value._version)
+        # An offloaded output starts its copy out now, as the recording mode's does when its op returns.
+        leaves[source.leaf] = (_Kept(value, offload=True) if source.offloaded else value, value._version)
 
     def kept(self) -> Iterator[tuple[Any, int, _Kept | _KeptOutputs]]:
         """``(op, call, kept)`` for every kept call captured whole (none if the call diverged from the tape).
@@ -355,11 +386,15 @@ class _Follower:
         if self.diverged:
             return
         ops = {id(op): op for op, _, _ in self.tape.slots}
-        for (op_id, call), (spec, leaves) in self.tape.outputs.items():
+        for (op_id, call), (spec, leaves, offloaded) in self.tape.outputs.items():
             captured = self.captured.get((op_id, call), {})
             if len(captured) != leaves.count(_TENSOR):
                 continue  # not captured in this call: recomputed
             values = [captured[i][0] if item is _TENSOR else item for i, item in enumerate(leaves)]
+            if offloaded:  # already kept (and on its way to host memory) when captured
+                structure = tree_unflatten(values, spec)
+                yield ops[op_id], call, structure if isinstance(structure, _Kept) else _KeptOutputs.of(structure)
+                continue
             kept = _keep(tree_unflatten(values, spec), False)
             versions = [captured[i][1] for i, item in enumerate(leaves) if item is _TENSOR]
             for tensor, version in zip(kept.tensors(), versions):
