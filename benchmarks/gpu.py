@@ -40,6 +40,7 @@ import fnmatch
 import functools
 import gc
 import json
+import pickle
 import statistics
 import sys
 import time
@@ -438,12 +439,18 @@ def run_phase(work: Workload, modes: list[Mode], rounds: int, warmup: int, name:
     return rows
 
 
-def _profile_plans(work: Workload, fractions: list[float], repeats: int) -> dict[float, remat.Plan | str]:
+def _profile_plans(work: Workload, fractions: list[float], repeats: int,
+                   save_to: str | None = None) -> dict[float, remat.Plan | str]:
     prof = remat.profile(work.model, repeats=repeats, **work.inputs)
+    if save_to:
+        # the profile holds no tensors: re-planning from it elsewhere (a CPU machine) uses this device's prices
+        with open(save_to, "wb") as f:
+            pickle.dump(prof, f)
     plans: dict[float, remat.Plan | str] = {}
     for fraction in fractions:
         try:
             plans[fraction] = prof.plan(fraction)
+            print(f"\nplan {fraction:.0%}:\n{plans[fraction]}")
         except remat.InfeasibleBudget as error:
             plans[fraction] = f"refused: the smallest plan peaks at {_mib(error.smallest - error.param_bytes)} MiB"
     del prof
@@ -562,6 +569,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-repeats", type=int, default=5, help="remat.profile's repeats")
     parser.add_argument("--copy-mib", type=int, default=512, help="bytes per bandwidth copy, MiB")
     parser.add_argument("--json", default="gpu_results.json", help="where to write the results")
+    parser.add_argument("--save-profile", help="pickle remat.profile's result here (to re-plan from it elsewhere)")
     args = parser.parse_args(argv)
     if torch.device(args.device).type not in ("cuda", "cpu"):
         parser.error(f"--device must be cuda (or cuda:N) or cpu, got {args.device!r}")
@@ -610,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
 
     fractions = [f for f in PLAN_FRACTIONS if {_plan_key(f), f"compiled-{_plan_key(f)}"} & set(keys)]
-    plans = _profile_plans(work, fractions, args.profile_repeats) if fractions else {}
+    plans = _profile_plans(work, fractions, args.profile_repeats, args.save_profile) if fractions else {}
     eager = [m for m in eager_modes(work, plans) if m.key in keys]
     rows = run_phase(work, eager, args.rounds, args.warmup, "eager")
     for fraction, plan in plans.items():
