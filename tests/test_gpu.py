@@ -17,6 +17,7 @@ from helpers import assert_bitwise
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.policies import Policy, save_matmuls
+from remat.policies.hostcopy import engine_for
 
 # REMAT_GPU_TESTS_DEVICE=cpu runs the device-independent tests here on the CPU, to check the tests themselves.
 DEVICE = os.environ.get("REMAT_GPU_TESTS_DEVICE", "cuda")
@@ -142,30 +143,53 @@ def test_a_cpu_region_runs_after_cuda_is_up():
     assert x.grad is not None and x.grad.device.type == "cpu"
 
 
-@cuda_only
-def test_profile_and_plan_predict_the_cuda_peak():
+def _planned_cuda_peak(model, plan, tokens, loss_fn) -> int:
+    """The whole step's peak (parameters included, as ``plan.predicted_peak``) of ``model`` under ``plan``."""
+    planned = copy.deepcopy(model)
+    plan.apply(planned)
+    loss_fn(planned(tokens)).backward()  # warm-up: allocator and library workspaces
+    planned.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss_fn(planned(tokens)).backward()
+    torch.cuda.synchronize()
+    params = sum(p.untyped_storage().nbytes() for p in (*planned.parameters(), *planned.buffers()))
+    return torch.cuda.max_memory_allocated() - before + params
+
+
+def _gpt_on_cuda():
     model = GPT(GPTConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, dropout=0.0)).cuda()
     tokens, targets = synthetic_batch(model.cfg, 8, torch.Generator().manual_seed(1), device=DEVICE)
 
     def loss_fn(logits):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+    return model, tokens, loss_fn
+
+
+@cuda_only
+def test_profile_and_plan_predict_the_cuda_peak():
+    model, tokens, loss_fn = _gpt_on_cuda()
     prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=2)
     for budget in (0.5, 0.8):
         plan = prof.plan(budget)
-        planned = copy.deepcopy(model)
-        plan.apply(planned)
-        loss_fn(planned(tokens)).backward()  # warm-up: allocator and library workspaces
-        planned.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        loss_fn(planned(tokens)).backward()
-        torch.cuda.synchronize()
-        params = sum(p.untyped_storage().nbytes() for p in (*planned.parameters(), *planned.buffers()))
-        measured = torch.cuda.max_memory_allocated() - before + params
+        measured = _planned_cuda_peak(model, plan, tokens, loss_fn)
         assert abs(plan.predicted_peak - measured) <= 0.03 * measured, (budget, plan.predicted_peak, measured)
-        del planned
+
+
+@cuda_only
+def test_a_plan_that_offloads_blocks_peaks_no_higher_than_predicted(monkeypatch):
+    # Copies back run ahead of backward by up to the engine's window, which the plan counts as kept; a small
+    # window lets this small model's offloaded blocks free memory that counts.
+    monkeypatch.setattr(engine_for("cuda"), "in_flight_limit", 256 << 10)
+    model, tokens, loss_fn = _gpt_on_cuda()
+    prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=2)
+    plan = prof.plan(0.7, allow=("offload",))
+    assert "offload" in plan.decisions.values()
+    measured = _planned_cuda_peak(model, plan, tokens, loss_fn)
+    assert measured <= 1.03 * plan.predicted_peak, (plan.decisions, plan.predicted_peak, measured)
+    assert plan.predicted_peak <= 1.15 * measured, (plan.decisions, plan.predicted_peak, measured)
 
 
 @cuda_only

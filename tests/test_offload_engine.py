@@ -12,7 +12,15 @@ import pytest
 import torch
 from fake_device import FakeDevice, TorchStyleModule
 from helpers import MLPStack, assert_bitwise, grads
-from offload_cases import OFFLOAD, Layouts, check_layouts, entry_points, offload_everything, offload_matmuls, record_layouts
+from offload_cases import (
+    OFFLOAD,
+    Layouts,
+    check_layouts,
+    entry_points,
+    offload_everything,
+    offload_matmuls,
+    record_layouts,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -521,6 +529,10 @@ def test_a_shared_copy_a_backward_never_fetched_is_let_go_when_it_ends(fake):
     del unused
 
 
+def _checkpointed(block, x, context_fn):
+    return remat.checkpoint(block, x, context_fn=context_fn)
+
+
 def _offloading(rule_ops):
     """A rules policy offloading ``rule_ops``' outputs, with a count of how often remat asks it (only while it
     records a forward: a region that follows its tape never asks)."""
@@ -545,8 +557,8 @@ def test_an_offloading_policy_follows_its_tape_and_copies_the_same_every_step(fa
         expected = grads(lambda: model(x).sum(), params, seed=step)
         asked[0], stats, copies = 0, remat.OffloadStats(), len(fake.copies)
         ctx = functools.partial(remat.create_selective_checkpoint_contexts, policy, stats=stats)
-        got = grads(lambda: model(x, wrap=lambda b, t: remat.checkpoint(b, t, context_fn=ctx)).sum(), params,
-                    seed=step)
+        wrap = functools.partial(_checkpointed, context_fn=ctx)
+        got = grads(lambda: model(x, wrap=wrap).sum(), params, seed=step)  # noqa: B023 - called at once
         assert_bitwise(expected[1], got[1])
         assert (asked[0] > 0) == (step == 0)  # from the second step on the regions follow their tapes
         new = fake.copies[copies:]
@@ -584,7 +596,7 @@ def test_an_offloaded_output_changed_in_place_is_recomputed_when_following_the_t
 
     policy, asked = _offloading(remat.policies.MATMUL_OPS)
     x = torch.randn(8, 8, requires_grad=True)
-    for step in range(3):
+    for _ in range(3):
         stats = remat.OffloadStats()
         ctx = functools.partial(remat.create_selective_checkpoint_contexts, policy, stats=stats)
         got = torch.autograd.grad(remat.checkpoint(changes_its_matmul, x, context_fn=ctx).sum(), [x, w])

@@ -157,3 +157,20 @@ def test_plans_on_an_accelerator_offload_what_the_link_hides_and_say_so(case):
         got = _step(planned, tokens, loss_fn)
     assert_bitwise(got, expected)
     assert engine.pool().allocations > 0  # the offloaded outputs really travelled
+
+
+def test_an_offloaded_block_counts_what_backward_may_bring_back_early(case, monkeypatch):
+    import copy
+
+    from remat.planning.options import block_options
+    from remat.policies.hostcopy import engine_for
+
+    _, _, _, prof = case
+    on_gpu = copy.copy(prof)
+    on_gpu.device = "cuda:0"
+    for window in (0, 1 << 10, 1 << 40):
+        monkeypatch.setattr(engine_for("cuda"), "in_flight_limit", window)
+        for row, options in zip(on_gpu.rows, block_options(on_gpu, allow=("offload",))):
+            (offload,) = [o for o in options if o.name == "offload"]
+            assert offload.kept == row.held_bytes + min(row.own_bytes - row.held_bytes, window)
+    assert not any(o.name == "offload" for options in block_options(prof) for o in options)  # never on the CPU

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..policies.hostcopy import engine_for
 from .blockpolicy import BlockPolicy
 from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
@@ -91,6 +92,8 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
     measured = [g.overheads.link_bytes_per_s for g in prof.ops.blocks.values()] if prof.ops is not None else []
     link = max(measured, default=0.0) or _OFFLOAD_BYTES_PER_SECOND
+    engine = engine_for(prof.device.split(":")[0]) if on_accelerator else None
+    window = engine.in_flight_limit if engine is not None else 0
     selective = {}
     if "selective" in allow and prof.ops is not None:
         from .options import selective_options
@@ -109,7 +112,10 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / link
-            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True))
+            # Backward's copies back run ahead of the compute stream by up to the engine's window, so up to
+            # that much of the block may be back on the device before its backward: counted as kept.
+            kept = row.held_bytes + min(row.own_bytes - row.held_bytes, window)
+            choices.append(BlockOption("offload", kept, copy_time, 0, True))
         per_block.append(choices)
     return per_block
 

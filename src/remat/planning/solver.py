@@ -14,7 +14,8 @@ option             kept own bytes                               extra time
                                                                 the policy's dispatch overhead
 ``selective``      its own inputs + chosen op outputs           predicted from the block's op-level front,
                                                                 on the scale of its measured checkpoint
-``offload``        its own inputs (activations on host)         copy time (accelerators only)
+``offload``        its own inputs, + up to the copy engine's    copy time (accelerators only)
+                   window (brought back early in backward)
 =================  ===========================================  ===========================================
 
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
