@@ -66,8 +66,12 @@ def record_layouts(engine) -> list:
         return handle
 
     def recording_fetch(handle, *args, **kwargs):
+        # one still in flight is served as it was saved: exactly its layout, whatever its kind
+        in_flight = getattr(handle, "stashed", handle).in_flight is not None
         tensor = fetch(handle, *args, **kwargs)
-        pairs.append((packed[id(handle)], (tensor.shape, tensor.stride(), tensor.data_ptr() % 64)))
+        shape, stride, alignment, exact = packed[id(handle)]
+        pairs.append(((shape, stride, alignment, exact or in_flight), (tensor.shape, tensor.stride(),
+                                                                       tensor.data_ptr() % 64)))
         return tensor
 
     engine.stash, engine.fetch = recording_stash, recording_fetch

@@ -47,6 +47,7 @@ def test_every_entry_point_gives_bitwise_gradients_and_keeps_layouts(fake, entry
     x = torch.randn(8, 16, requires_grad=True)
     params = [x, *model.parameters()]
     expected = grads(lambda: model(x), params)
+    fake.d2h_bytes_per_s = float("inf")  # copies out complete at once and leave the window: the saves come back
     pairs = record_layouts(fake.engine)
     got = grads(lambda: ENTRY_POINTS[entry](model, x), params)
     assert torch.equal(expected[0], got[0])
@@ -200,6 +201,7 @@ def test_prefetch_runs_in_backward_order(fake):
         for _ in range(6):
             y = torch.sin(y)  # each saves its input: backward needs them newest first
     blocks_out = [c.dst_ptr for c in fake.copies if c.to_host]
+    fake.advance()  # the copies out complete: every tensor comes back
     y.sum().backward()
     blocks_back = [c.source_ptr for c in fake.copies if not c.to_host]
     assert off.stats.offloaded_tensors == len(blocks_out) == len(blocks_back) == 6
@@ -372,6 +374,7 @@ def test_storages_a_leaf_owns_are_not_copied(fake):
         fake.copies.clear()
         with use_device_model("cpu", fake), hooks:
             y = linear(x).sin()  # saves x, the weight (a view of the parameter) and the linear's output
+        fake.advance()
         y.sum().backward()
         # only the linear's output travelled, out and back
         assert [c.nbytes for c in fake.copies] == [4 * 16 * 4] * 2
@@ -406,6 +409,7 @@ def test_a_tensor_saved_by_several_ops_travels_once_each_way(fake, hooks):
     out = [c for c in fake.copies if c.to_host]
     # x and the weights stay (a leaf's); h once, q(h) and k(h) (saved by the product) once each
     assert sorted(c.nbytes for c in out) == [4 * 16 * 4] * 3
+    fake.advance()
     got = torch.autograd.grad(loss, params)
     assert_bitwise(expected, got)
     assert len([c for c in fake.copies if not c.to_host]) == 3
@@ -602,3 +606,31 @@ def test_an_offloaded_output_changed_in_place_is_recomputed_when_following_the_t
         got = torch.autograd.grad(remat.checkpoint(changes_its_matmul, x, context_fn=ctx).sum(), [x, w])
         assert_bitwise(torch.autograd.grad(changes_its_matmul(x).sum(), [x, w]), got)
         assert stats.offloaded_tensors == 0
+
+
+@pytest.mark.parametrize("entry", ["offload", "save_on_cpu"])
+def test_what_backward_needs_before_its_copy_out_completes_is_served_without_a_round_trip(fake, entry):
+    torch.manual_seed(0)
+    fake.d2h_bytes_per_s = fake.h2d_bytes_per_s = 2.0 ** 20  # 1/16 s per 64 KiB tensor
+    w = torch.randn(128, 128, requires_grad=True)
+    x = torch.randn(128, 128, requires_grad=True)
+
+    def run():
+        h = x
+        for _ in range(4):
+            h = (h @ w).sin()  # saves h @ w (64 KiB) and, from the second on, h
+        return h.sum()
+
+    expected = torch.autograd.grad(run(), [x, w])
+    fake.engine.in_flight_limit = 3 * 65536  # three copies out in flight: the host waits for older ones
+    context = remat.offload(min_bytes=0, device_type="cpu") if entry == "offload" else remat.save_on_cpu()
+    with context:
+        loss = run()
+    out = [c for c in fake.copies if c.to_host]
+    in_flight = [c for c in out if c.end > fake.now]
+    assert len(out) == 7 and len(in_flight) == 3
+    assert_bitwise(expected, torch.autograd.grad(loss, [x, w]))
+    back = [c for c in fake.copies if not c.to_host]
+    assert len(back) == len(out) - len(in_flight)  # the three in flight were used where they were
+    assert {c.source_ptr for c in back} == {c.dst_ptr for c in out[:4]}
+    assert fake.engine.live == 0

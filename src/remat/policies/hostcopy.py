@@ -24,6 +24,10 @@ One :class:`HostCopies` per device type serves ``remat.offload``, ``offload_wrap
   returns to it with its last copy's event and is reused only once that event has completed, asked lazily.
 * **Prefetch in backward order**: fetching the tensor saved n-th starts the copies back of the live tensors
   saved just before it, which backward needs next.
+* **No round trip for what is still in flight**: a saved-tensor hook's tensor stays held while its copy out is
+  in the window (its memory could not be reused before the copy has read it anyway), and a fetch before then
+  serves it as it is.  Backward's first fetches are forward's last saves (a loss's logits, ~1 GiB on a Llama):
+  they wait for no copy out and use no copy back.
 * **Layouts kept**: a tensor comes back with its exact sizes, strides and alignment, so backward runs the same
   kernels as without offload and gradients are bitwise equal.  The storage span a tensor covers is copied as
   is (dense tensors, broadcasts, small gaps); a tensor that covers much more storage than it has elements
@@ -194,7 +198,7 @@ class Stashed:
     """
 
     __slots__ = ("engine", "block", "pool", "layout", "device", "order", "event", "on_device", "source", "version",
-                 "users", "fetches", "back_version", "__weakref__")
+                 "users", "fetches", "back_version", "in_flight", "__weakref__")
 
     def __init__(self, engine: HostCopies, block: torch.Tensor, pool: HostPool, layout: _Layout,
                  device: torch.device, order: int, event: Any, source: weakref.ref | None, version: int) -> None:
@@ -213,6 +217,9 @@ class Stashed:
         self.users = 1  # saves of these bytes it serves (a layer's input saved by each projection)
         self.fetches = 0
         self.back_version = 0  # the device copy's version when it came back
+        # the tensor itself (its storage span, where the layout is exact) while its copy out is in the window:
+        # a fetch then serves it as it is, with no copy back
+        self.in_flight: torch.Tensor | None = None
 
     def __del__(self) -> None:
         if self.block is not None:
@@ -238,24 +245,28 @@ class _Window:
     """Bytes in flight behind device events, oldest first: what the host waits for once over a limit."""
 
     def __init__(self) -> None:
-        self.entries: deque[tuple[Any, int]] = deque()
+        self.entries: deque[tuple[Any, int, weakref.ref | None]] = deque()
         self.nbytes = 0
 
-    def add(self, event: Any, nbytes: int, limit: int, done: Any) -> Any:
+    def add(self, event: Any, nbytes: int, limit: int, done: Any, handle: Stashed | None = None) -> Any:
         """Count ``nbytes`` behind ``event``; the event the host must wait for to be within ``limit`` (or None).
 
         Events complete in the order they were added (one stream), so waiting for the newest one over the
-        limit is enough; entries whose events have completed leave without a wait.
+        limit is enough; entries whose events have completed leave without a wait.  A stashed ``handle``
+        holds its device tensor while its entry is here.
         """
-        self.entries.append((event, nbytes))
+        self.entries.append((event, nbytes, weakref.ref(handle) if handle is not None else None))
         self.nbytes += nbytes
         late = None
         while len(self.entries) > 1:  # never the entry just added: a tensor over the limit alone must not wait
             over = self.nbytes > limit
             if not over and not done(self.entries[0][0]):
                 break
-            oldest, size = self.entries.popleft()
+            oldest, size, ref = self.entries.popleft()
             self.nbytes -= size
+            held = ref() if ref is not None else None
+            if held is not None:
+                held.in_flight = None  # its memory returns to the allocator once the copy has read it
             if over:
                 late = oldest
         return late
@@ -283,13 +294,18 @@ class HostCopies:
         """The pool of pinned (or pageable) host blocks."""
         return self._pools[pinned and self.model.can_pin]
 
-    def stash(self, tensor: torch.Tensor, pinned: bool = True, check_version: bool = False) -> Stashed | None:
+    def stash(self, tensor: torch.Tensor, pinned: bool = True, check_version: bool = False,
+              hold_in_flight: bool = False) -> Stashed | None:
         """Start copying ``tensor`` to host memory; None if it cannot be moved (subclass, sparse, empty).
 
         ``check_version=True`` makes :meth:`fetch` raise if the tensor is changed in place afterwards
         (saved-tensor hooks: autograd's own check does not run on hooked tensors).  It also lets a later save
         of the same bytes, unchanged, share this copy (:meth:`_saved_before`): they travel once each way, and
         the copy back stays on the device until each save has been fetched.
+
+        ``hold_in_flight=True`` keeps the tensor while its copy out is in the window (the allocator could not
+        reuse its memory before the copy has read it anyway): a fetch before then, as backward's first ones
+        are (the last tensors forward saved, a loss's logits), serves it without a round trip over the link.
         """
         if not _movable(tensor):
             return None
@@ -312,18 +328,21 @@ class HostCopies:
             dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
             event = model.copy(dst, src, side, True)
             model.record_stream(tensor, side)
+            held = (src if layout.exact else tensor.detach()) if hold_in_flight and model.asynchronous else None
         source = weakref.ref(owner) if check_version else None
         handle = Stashed(self, block, pool, layout, tensor.device, order, event, source, tensor._version)
         if check_version and layout.exact and not (tensor.is_conj() or tensor.is_neg()):
             with self._lock:
                 self._by_span[_span_key(tensor, layout)] = handle
         if model.asynchronous:
+            handle.in_flight = held
             with self._lock:
                 self._unfetched[order] = weakref.ref(handle)
                 if len(self._unfetched) >= self._sweep_at:
                     self._sweep()
                 window = self._out.setdefault(tensor.device, _Window())
-                late = window.add(event, layout.nbytes, self.in_flight_limit, model.done)
+                late = window.add(event, layout.nbytes, self.in_flight_limit, model.done,
+                                  handle if hold_in_flight else None)
             if late is not None:
                 model.host_wait(late)
         return handle
@@ -355,6 +374,8 @@ class HostCopies:
         if type(handle) is SharedView:
             handle = handle.stashed
         _check_unchanged(handle)
+        if self._in_flight(handle):
+            return self._serve_in_flight(handle, layout)
         with self._lock:
             self._unfetched.pop(handle.order, None)
             upcoming = self._preceding(handle.order, prefetch) if prefetch and self.model.asynchronous else []
@@ -387,12 +408,29 @@ class HostCopies:
                 self.model.host_wait(late)
         return tensor
 
+    def _in_flight(self, handle: Stashed) -> bool:
+        """Whether ``handle`` is served from the device tensor it holds; once its copy out completed, it is let go.
+
+        Only a save of its own is: one sharing its bytes with others could be written into by backward (a
+        custom Function's), which a copy back keeps from reaching the others.
+        """
+        if handle.in_flight is not None and self.model.done(handle.event):
+            handle.in_flight = None  # on the host already: its device memory goes back to the allocator
+        return handle.in_flight is not None and handle.users == 1
+
+    @staticmethod
+    def _serve_in_flight(handle: Stashed, layout: _Layout) -> torch.Tensor:
+        """``handle``'s tensor from the device memory it was saved in (its copy out is still in the window)."""
+        held, handle.in_flight = handle.in_flight, None  # its one save has it (a second backward copies back)
+        with _python_dispatch_off(), torch.no_grad():
+            return layout.place(held) if layout.exact else held
+
     def prefetch(self, handles: Iterable[Stashed]) -> None:
         """Start copying ``handles`` back now, in this order (only where copies run asynchronously)."""
         if not self.model.asynchronous:
             return
         for handle in handles:
-            if handle.on_device is None and handle.block is not None:
+            if handle.on_device is None and not self._in_flight(handle) and handle.block is not None:
                 self._copy_back(handle)
 
     def fence(self, handles: Iterable[Stashed]) -> None:
@@ -447,7 +485,7 @@ class HostCopies:
             if handle is None:
                 dead.append(key)
                 continue
-            if handle.on_device is None:
+            if handle.on_device is None and not self._in_flight(handle):
                 found.append(handle)
             seen += 1
             if seen == count:

@@ -109,7 +109,7 @@ class save_on_cpu(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - dro
             engine = engine_for(tensor.device.type)
             if engine is None or not engine.moves or _owned_by_a_leaf(tensor):
                 return tensor
-            handle = engine.stash(tensor, pinned=pin_memory, check_version=True)
+            handle = engine.stash(tensor, pinned=pin_memory, check_version=True, hold_in_flight=True)
             return handle if handle is not None else (tensor.device, tensor.to("cpu"))
 
         super().__init__(pack, _unpack)
@@ -177,7 +177,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
     def _pack(self, tensor: torch.Tensor) -> Any:
         handle = None
         if self._should_offload(tensor):
-            handle = self.engine.stash(tensor, pinned=self.pin_memory, check_version=True)
+            handle = self.engine.stash(tensor, pinned=self.pin_memory, check_version=True, hold_in_flight=True)
         self.stats.count(tensor, offloaded=handle is not None)
         if type(handle) is SharedView or (handle is not None and handle.users > 1):
             self.stats.shared_tensors += 1
