@@ -443,6 +443,7 @@ def test_views_of_one_span_share_a_copy_each_in_its_own_layout(fake):
         loss = run()
     assert [c.nbytes for c in fake.copies if c.to_host] == [2 * 4 * 16 * 4]  # h, once
     assert (off.stats.offloaded_tensors, off.stats.shared_tensors) == (4, 3)
+    fake.advance()
     assert_bitwise(expected, torch.autograd.grad(loss, params))
     assert len([c for c in fake.copies if not c.to_host]) == 1
 
@@ -498,9 +499,26 @@ def test_a_save_written_in_backward_does_not_reach_the_other_saves_of_its_bytes(
 
     with remat.offload(min_bytes=0, device_type="cpu"):
         loss = run()
+    fake.advance()  # h's copy out completed: it comes back, and the function writes into its own copy
     (got,) = torch.autograd.grad(loss, [x])
     h = x.detach().sin()
     assert torch.allclose(got, -h.sin() * x.detach().cos() + 2 * h * x.detach().cos())
+
+
+def test_a_save_served_in_flight_and_written_in_backward_is_refused_to_the_others_as_plain_autograd_does(fake):
+    x = torch.randn(64, requires_grad=True)
+
+    def run():
+        h = x.sin()
+        return (h.cos() + _SquareReusingItsSave.apply(h)).sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(run(), [x])
+    with remat.offload(min_bytes=0, device_type="cpu"):
+        loss = run()
+    # h's copy out is still in flight: both saves get h itself, as without hooks
+    with pytest.raises(RuntimeError, match="modified in place after it was offloaded"):
+        torch.autograd.grad(loss, [x])
 
 
 def test_frozen_parameters_stay_on_the_device(fake):
@@ -634,3 +652,20 @@ def test_what_backward_needs_before_its_copy_out_completes_is_served_without_a_r
     assert len(back) == len(out) - len(in_flight)  # the three in flight were used where they were
     assert {c.source_ptr for c in back} == {c.dst_ptr for c in out[:4]}
     assert fake.engine.live == 0
+
+
+def test_a_tensor_several_ops_save_is_served_in_flight_to_each(fake):
+    # A loss's log-probabilities are saved by log_softmax and by nll_loss: the first thing backward needs.
+    torch.manual_seed(0)
+    logits = torch.randn(16, 10, requires_grad=True)
+    target = torch.randint(10, (16,))
+
+    def run():
+        return torch.nn.functional.nll_loss(torch.log_softmax(logits * 2, dim=1), target)
+
+    expected = torch.autograd.grad(run(), [logits])
+    with remat.offload(min_bytes=0, device_type="cpu") as off:
+        loss = run()
+    assert off.stats.shared_tensors == 1
+    assert_bitwise(expected, torch.autograd.grad(loss, [logits]))
+    assert not [c for c in fake.copies if not c.to_host] and fake.engine.live == 0

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..policies.hostcopy import engine_for
+from ..policies.offload import PREFETCH_DEPTH
 from .blockpolicy import BlockPolicy
 from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
@@ -112,9 +113,13 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / link
-            # Backward's copies back run ahead of the compute stream by up to the engine's window, so up to
-            # that much of the block may be back on the device before its backward: counted as kept.
-            kept = row.held_bytes + min(row.own_bytes - row.held_bytes, window)
+            # Copies run behind the compute stream by up to the engine's window, plus one entry (a tensor going
+            # out, or one fetch and its prefetch coming back): that much of the block may be on the device
+            # between its forward and its backward, so it counts as kept.
+            graph = prof.ops.blocks.get(row.name) if prof.ops is not None else None
+            largest = max((s.nbytes for s in graph.storages if s.saved), default=0) if graph is not None else 0
+            in_flight = window + (PREFETCH_DEPTH + 1) * largest
+            kept = row.held_bytes + min(row.own_bytes - row.held_bytes, in_flight)
             choices.append(BlockOption("offload", kept, copy_time, 0, True))
         per_block.append(choices)
     return per_block

@@ -409,19 +409,23 @@ class HostCopies:
         return tensor
 
     def _in_flight(self, handle: Stashed) -> bool:
-        """Whether ``handle`` is served from the device tensor it holds; once its copy out completed, it is let go.
-
-        Only a save of its own is: one sharing its bytes with others could be written into by backward (a
-        custom Function's), which a copy back keeps from reaching the others.
-        """
-        if handle.in_flight is not None and self.model.done(handle.event):
+        """Whether ``handle`` is served from the device tensor it holds; once its copy out completed, it is let go
+        (unless a save already got it: every save of those bytes then gets it, as in plain autograd)."""
+        if handle.in_flight is not None and not handle.fetches and self.model.done(handle.event):
             handle.in_flight = None  # on the host already: its device memory goes back to the allocator
-        return handle.in_flight is not None and handle.users == 1
+        return handle.in_flight is not None
 
-    @staticmethod
-    def _serve_in_flight(handle: Stashed, layout: _Layout) -> torch.Tensor:
-        """``handle``'s tensor from the device memory it was saved in (its copy out is still in the window)."""
-        held, handle.in_flight = handle.in_flight, None  # its one save has it (a second backward copies back)
+    def _serve_in_flight(self, handle: Stashed, layout: _Layout) -> torch.Tensor:
+        """``handle``'s tensor from the device memory it was saved in, as plain autograd would give it: a save
+        that writes into it in backward is seen by the others (autograd's version check then refuses them)."""
+        held = handle.in_flight
+        with self._lock:
+            handle.fetches += 1
+            last = handle.fetches % handle.users == 0
+        if last:
+            handle.in_flight = None  # every save has it (a second backward copies back)
+        elif handle.fetches == 1:
+            _release_when_backward_ends(handle)
         with _python_dispatch_off(), torch.no_grad():
             return layout.place(held) if layout.exact else held
 
@@ -507,7 +511,7 @@ def _release_when_backward_ends(handle: Stashed) -> None:
         return  # fetched outside a backward (by hand): the caller owns the lifetime
 
     def release() -> None:
-        handle.on_device = None
+        handle.on_device = handle.in_flight = None
         handle.fetches = 0
 
     torch.autograd.Variable._execution_engine.queue_callback(release)

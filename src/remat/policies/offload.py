@@ -31,7 +31,7 @@ from .hostpool import HostPool
 
 __all__ = ["OffloadStats", "offload", "save_on_cpu"]
 
-_PREFETCH_DEPTH = 2
+PREFETCH_DEPTH = 2  # tensors whose copies back a fetch keeps started ahead of it
 
 
 def _owned_by_a_leaf(tensor: torch.Tensor) -> bool:
@@ -85,7 +85,7 @@ _HANDLES = (Stashed, SharedView)
 
 def _unpack(packed: Any) -> torch.Tensor:
     if type(packed) in _HANDLES:
-        return packed.engine.fetch(packed, _PREFETCH_DEPTH)
+        return packed.engine.fetch(packed, PREFETCH_DEPTH)
     if type(packed) is tuple:  # a tensor the engine cannot move (e.g. sparse): a plain host copy
         device, host = packed
         return host.to(device)
@@ -143,7 +143,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         pin_memory: bool = True,
         prefetch: bool = True,
         *,
-        prefetch_depth: int = _PREFETCH_DEPTH,
+        prefetch_depth: int = PREFETCH_DEPTH,
         device_type: str | None = None,
         modules: Iterable[nn.Module] = (),
     ) -> None:
