@@ -185,7 +185,10 @@ def test_a_plan_that_offloads_blocks_peaks_no_higher_than_predicted(monkeypatch)
     monkeypatch.setattr(engine_for("cuda"), "in_flight_limit", 256 << 10)
     model, tokens, loss_fn = _gpt_on_cuda()
     prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=2)
-    plan = prof.plan(0.7, allow=("offload",))
+    try:
+        plan = prof.plan(0.7, allow=("offload",))
+    except remat.InfeasibleBudget as error:  # the least memory offloading alone reaches
+        plan = prof.plan(error.smallest, allow=("offload",))
     assert "offload" in plan.decisions.values()
     measured = _planned_cuda_peak(model, plan, tokens, loss_fn)
     assert measured <= 1.03 * plan.predicted_peak, (plan.decisions, plan.predicted_peak, measured)
