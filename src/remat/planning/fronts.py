@@ -38,8 +38,9 @@ Offloading: on an accelerator with a measured host link (``link_bytes_per_s``), 
 move op outputs to host memory (``offloaded``).  An offloaded output is served to the recomputation like a
 kept one (it spares its kernel) but holds no device memory between forward and backward; it comes back for
 the recomputation, so it counts in ``recompute_peak``.  Its copies cost only what the block's compute cannot
-hide: ``max(0, O / link - forward) + max(0, O / link - recomputation)`` for ``O`` offloaded bytes (the copy
-out runs behind the block's forward, the copy back behind its recomputation).  Each point of the keep /
+hide (:meth:`_CostModel.copy_time`): a copy out starts when its op's kernel ends and the region's end waits
+for the last one; the copies back start with the recomputation and each must arrive before the rerun reaches
+the op it serves.  Each point of the keep /
 recompute front may get a twin with the offload set a greedy pass picks (outputs by kernel time spared per
 byte, while the step gets faster): :func:`offload_twins`.  Not an option on a CPU host (there is nowhere
 cheaper to put the bytes).
@@ -112,6 +113,13 @@ class _CostModel:
         self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
         link = graph.overheads.link_bytes_per_s
         self.link = link if graph.asynchronous and link > 0 else 0.0
+        # when each op's kernel ends in the block's forward (kernel times add up to the measured forward)
+        total = sum(n.kernel_time for n in graph.nodes) or 1.0
+        scale, elapsed = graph.forward_time / total, 0.0
+        self.made_at: list[float] = []
+        for n in graph.nodes:
+            elapsed += n.kernel_time * scale
+            self.made_at.append(elapsed)
 
     def recompute_peak(self, kept: set[int]) -> int:
         """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
@@ -127,13 +135,32 @@ class _CostModel:
             peak = max(peak, running)
         return peak
 
-    def copy_time(self, offloaded_bytes: int, served: tuple[int, ...]) -> float:
-        """Seconds of offload copies the block's forward and recomputation (``served`` not rerun) leave unhidden."""
-        if not offloaded_bytes:
+    def copy_time(self, offloaded: tuple[int, ...], served: tuple[int, ...]) -> float:
+        """Seconds the device waits for the copies of the ``offloaded`` nodes (``served``: every node the
+        recomputation does not rerun).
+
+        Out: one copy after another, each from when its op's kernel ends, and the region's end waits for the
+        last (the engine fences there).  Back: all start together when the recomputation starts, one after
+        another in forward order, and the rerun reaches each where the kernels before it, not served, end.
+        """
+        if not offloaded:
             return 0.0
-        one_way = offloaded_bytes / self.link
-        rerun = self.prices.time("selective", served)
-        return max(0.0, one_way - self.graph.forward_time) + max(0.0, one_way - rerun)
+        nodes, forward = self.graph.nodes, self.graph.forward_time
+        done = 0.0
+        for i in offloaded:
+            done = max(done, self.made_at[i]) + nodes[i].out_bytes / self.link
+        out_wait = max(0.0, done - forward)
+        skipped = set(served)
+        back_wait = arrived = reached = 0.0
+        position = 0
+        for i in offloaded:
+            arrived += nodes[i].out_bytes / self.link
+            for n in nodes[position:i]:
+                if n.index not in skipped:
+                    reached += n.kernel_time
+            position = i
+            back_wait = max(back_wait, arrived - reached)
+        return out_wait + back_wait
 
     def point(self, mode: str, kept: tuple[int, ...], offloaded: tuple[int, ...] = ()) -> FrontPoint:
         graph = self.graph
@@ -151,7 +178,7 @@ class _CostModel:
         nodes = graph.nodes
         served = tuple(sorted(kept + offloaded))
         moved = sum(nodes[i].out_bytes for i in offloaded)
-        copies = self.copy_time(moved, served)
+        copies = self.copy_time(offloaded, served)
         time = self.prices.time(mode, served) + copies
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
         peak = self.recompute_peak(set(served)) + moved
@@ -172,7 +199,7 @@ class _CostModel:
         for i in candidates:
             served = tuple(sorted((*kept, *chosen, i)))
             nbytes = moved + nodes[i].out_bytes
-            time = self.prices.time("selective", served) + self.copy_time(nbytes, served)
+            time = self.prices.time("selective", served) + self.copy_time(tuple(sorted((*chosen, i))), served)
             if time >= best:
                 break
             chosen.append(i)
