@@ -159,22 +159,30 @@ def test_plans_on_an_accelerator_offload_what_the_link_hides_and_say_so(case):
     assert engine.pool().allocations > 0  # the offloaded outputs really travelled
 
 
-def test_an_offloaded_block_counts_what_backward_may_bring_back_early(case, monkeypatch):
+def test_a_plan_that_offloads_blocks_counts_one_window_of_copies_in_flight(case, monkeypatch):
     import copy
+    import dataclasses
 
     from remat.planning.options import block_options
+    from remat.planning.solver import _peak
     from remat.policies.hostcopy import engine_for
 
     _, _, _, prof = case
     on_gpu = copy.copy(prof)
     on_gpu.device = "cuda:0"
+    assert not any(o.name == "offload" for options in block_options(prof) for o in options)  # never on the CPU
     for window in (0, 1 << 10, 1 << 40):
         monkeypatch.setattr(engine_for("cuda"), "in_flight_limit", window)
+        offloads = []
         for row, options in zip(on_gpu.rows, block_options(on_gpu, allow=("offload",))):
             (offload,) = [o for o in options if o.name == "offload"]
             largest = max(s.nbytes for s in prof.ops.blocks[row.name].storages if s.saved)
             # the window, and one more entry: a tensor going out, or a fetch and its two prefetched coming back
-            in_flight = window + 3 * largest
-            assert offload.kept == row.held_bytes + min(row.own_bytes - row.held_bytes, in_flight)
-            assert row.held_bytes < offload.kept <= row.own_bytes
-    assert not any(o.name == "offload" for options in block_options(prof) for o in options)  # never on the CPU
+            assert offload.kept == row.held_bytes
+            assert offload.in_flight == min(row.own_bytes - row.held_bytes, window + 3 * largest) > 0
+            offloads.append(offload)
+        # one window for the step, however many blocks offload
+        settled = [dataclasses.replace(o, in_flight=0) for o in offloads]
+        assert _peak(on_gpu, offloads) == _peak(on_gpu, settled) + max(o.in_flight for o in offloads)
+        plan = on_gpu.plan(0.8, allow=("offload",))
+        assert plan.predicted_peak <= plan.budget

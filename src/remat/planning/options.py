@@ -53,7 +53,9 @@ class BlockOption:
     start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
     the built-in options, installed by name).  ``policy``: the op-level decisions of a ``selective`` option
     (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known;
-    ``copy_time``: the part of ``extra_time`` its offload copies leave unhidden.
+    ``copy_time``: the part of ``extra_time`` its offload copies leave unhidden.  ``in_flight``: bytes of the
+    block the offload hooks' copies may hold on the device at once (the copy engine's window, plus one entry):
+    counted once in the step's peak, whichever blocks offload.
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -69,6 +71,7 @@ class BlockOption:
     policy: BlockPolicy | None = field(default=None, compare=False)
     recomputed_ops: int | None = field(default=None, compare=False)
     copy_time: float = field(default=0.0, compare=False)  # of extra_time: offload copies left unhidden
+    in_flight: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that
@@ -114,13 +117,11 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / link
             # Copies run behind the compute stream by up to the engine's window, plus one entry (a tensor going
-            # out, or one fetch and its prefetch coming back): that much of the block may be on the device
-            # between its forward and its backward, so it counts as kept.
+            # out, or one fetch and its prefetch coming back early).
             graph = prof.ops.blocks.get(row.name) if prof.ops is not None else None
             largest = max((s.nbytes for s in graph.storages if s.saved), default=0) if graph is not None else 0
-            in_flight = window + (PREFETCH_DEPTH + 1) * largest
-            kept = row.held_bytes + min(row.own_bytes - row.held_bytes, in_flight)
-            choices.append(BlockOption("offload", kept, copy_time, 0, True))
+            in_flight = min(row.own_bytes - row.held_bytes, window + (PREFETCH_DEPTH + 1) * largest)
+            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True, in_flight=in_flight))
         per_block.append(choices)
     return per_block
 

@@ -191,7 +191,16 @@ def predict_peak(prof: StepProfile, decisions: Sequence[str], allow: Sequence[st
     return _peak(prof, chosen)
 
 
+def _in_flight(chosen: Sequence[BlockOption]) -> int:
+    """Bytes the offload hooks' copies may hold on the device at once: one window for the whole step."""
+    return max((o.in_flight for o in chosen), default=0)
+
+
 def _peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
+    return _chain_peak(prof, chosen) + _in_flight(chosen)
+
+
+def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
     accounting = _Accounting(prof)
     peak, freed, mask = 0, 0, 0
     for p in range(accounting.n + 1):
@@ -318,7 +327,7 @@ def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     low, high = 0, prof.peak_bytes
     while low < high:
         middle = (low + high) // 2
-        if _solve(prof, middle, options, with_cost=False) is not None:
+        if _cheapest(prof, middle, options, with_cost=False) is not None:
             high = middle
         else:
             low = middle + 1
@@ -351,11 +360,10 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    indices = _solve(prof, budget_bytes, options)
-    if indices is None:
+    chosen = _cheapest(prof, budget_bytes, options)
+    if chosen is None:
         raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options), prof.param_bytes + prof.buffer_bytes,
                               prof.peak_above_params, requested)
-    chosen = [choices[i] for choices, i in zip(options, indices)]
     result = Plan(
         decisions={row.name: o.name for row, o in zip(prof.rows, chosen)},
         predicted_peak=_peak(prof, chosen),
@@ -369,6 +377,23 @@ def plan_from_profile(
     )
     result._wrappers = {row.name: o.wrap for row, o in zip(prof.rows, chosen) if o.wrap is not None}
     return result
+
+
+def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
+              ) -> list[BlockOption] | None:
+    """The cheapest options that fit ``budget``, or None.
+
+    The offload hooks' window is one for the whole step, which the chain's sums cannot express: plans that
+    offload blocks are solved apart, under the budget less the largest window among the options.
+    """
+    window = max((o.in_flight for choices in options for o in choices), default=0)
+    without = [[o for o in choices if not o.in_flight] for choices in options]
+    found = []
+    for candidates, room in ((without, budget), (options, budget - window) if window else (None, 0)):
+        indices = _solve(prof, room, candidates, with_cost) if candidates is not None else None
+        if indices is not None:
+            found.append([choices[i] for choices, i in zip(candidates, indices)])
+    return min(found, key=lambda chosen: sum(o.extra_time for o in chosen), default=None)
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
