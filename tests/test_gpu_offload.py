@@ -133,7 +133,8 @@ def test_copies_in_flight_bound_the_memory_on_cuda(engine, limit_mib):
         x.grad = None
         del y
     assert off.stats.offloaded_tensors == 32
-    # the window, plus the tensors being made and just saved (and x * 1)
-    assert forward_reserved <= (limit_mib + 6 * 16) << 20, forward_reserved / 2**20
+    # the window, plus the tensors being made and just saved (and x * 1), and one whose copy completed but is
+    # still held in flight until the next save looks at the window
+    assert forward_reserved <= (limit_mib + 7 * 16) << 20, forward_reserved / 2**20
     # the window, plus a fetch's prefetch beyond it, the gradient flowing back, its next one and x's
     assert backward_peak <= (limit_mib + 6 * 16) << 20, backward_peak / 2**20
