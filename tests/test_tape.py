@@ -162,6 +162,29 @@ def test_a_region_whose_ops_change_between_calls_gets_plain_gradients():
         assert_bitwise(expected, gradients(remat.checkpoint(fn, x, policy=policy).sum()))
 
 
+def test_a_forward_that_parts_from_its_tape_runs_every_op_again_in_backward():
+    # The second branch saves what the first saved, and then more: the follower sees it only after holding the
+    # first, and backward then recomputes the region whole, with the ops it ran, not the tape's.
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    branch = {"which": 0}
+
+    def fn(t):
+        h = t @ w1  # sin saves it: the tape captures it there
+        return h.sin() if branch["which"] == 0 else (h @ w2).cos()
+
+    policy, asked = _counting(_keep_matmuls)
+    for which in (0, 0, 1, 0):
+        branch["which"] = which
+        expected = torch.autograd.grad(fn(x).sum(), [x, w1, w2], allow_unused=True)
+        asked[0] = 0
+        got = torch.autograd.grad(remat.checkpoint(fn, x, policy=policy).sum(), [x, w1, w2], allow_unused=True)
+        assert_bitwise(expected, got)
+    ((_, tape),) = _books[policy].tapes.values()
+    assert tape is not None and asked[0] == 0  # the last call followed the tape again
+
+
 def test_a_kept_output_modified_after_forward_is_an_error_in_tape_mode_too():
     w = torch.randn(4, 4, requires_grad=True)
     leak = {}

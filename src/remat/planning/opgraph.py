@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -88,6 +89,9 @@ class OpNode:
     kernel_time: float = 0.0
     wall_time: float = 0.0
     host_time: float = 0.0
+    # Autograd saves its output's storage, or a module returns it: a region following its tape (without a
+    # dispatch mode, see remat.policies.tape) can capture it there, so keeping it needs no recording mode.
+    reachable: bool = True
 
 
 @dataclass(frozen=True)
@@ -131,11 +135,12 @@ class BlockGraph:
     def keepable(self) -> list[int]:
         """Nodes a policy can usefully keep: ops that rerun in recomputation and own (or copy) memory.
 
-        Compute ops whose output no later op overwrites, and random in-place ops (kept by value).
+        Compute ops whose output no later op overwrites, and random in-place ops (kept by value), whose output
+        a saved tensor or a module's output reaches (others a region following its tape recomputes).
         """
         return [n.index for n in self.nodes
                 if (n.kind == "compute" or n.kind == "alias" and n.random) and not n.mutated
-                and n.index < self.stop and n.out_bytes > 0]
+                and n.index < self.stop and n.out_bytes > 0 and n.reachable]
 
     def copied_bytes(self, index: int) -> int:
         """Bytes keeping node ``index`` copies (forward, and back in recomputation): a random in-place op's value."""
@@ -192,10 +197,11 @@ def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...], bool]:
 
 
 class _Life:
-    __slots__ = ("producer", "nbytes", "saved", "dies")
+    __slots__ = ("producer", "nbytes", "saved", "dies", "returned")
 
     def __init__(self, producer: int, nbytes: int) -> None:
         self.producer, self.nbytes, self.saved, self.dies = producer, nbytes, False, None
+        self.returned = False  # a module's output (within the block) shares the storage
 
 
 class _BlockRecord:
@@ -286,6 +292,14 @@ class _Recorder(TorchDispatchMode):
             elif where is not None:
                 record.input_saved.add(where)
         return self.held.pack(t)
+
+    def module_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        record = self.current
+        if record is not None:
+            for t in _tensors(output):
+                where = record.owner.get(t.untyped_storage())
+                if where is not None and where >= 0:
+                    record.lives[where].returned = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -388,17 +402,22 @@ def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict
 
 def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> BlockGraph:
     saved_by_node: dict[int, int] = {}
+    reachable: set[int] = set()
     for life in record.lives:
         if life.saved:
             saved_by_node[life.producer] = saved_by_node.get(life.producer, 0) + life.nbytes
-    nodes = [OpNode(saved_bytes=saved_by_node.get(n["index"], 0), wall_time=n["kernel_time"], **n)
+        if life.saved or life.returned:
+            reachable.add(life.producer)
+    nodes = [OpNode(saved_bytes=saved_by_node.get(n["index"], 0), wall_time=n["kernel_time"],
+                    reachable=n["index"] in reachable or n["kind"] != "compute", **n)
              for n in record.nodes]
     storages = [StorageLife(life.producer, life.nbytes, life.saved, life.dies) for life in record.lives]
     inputs = [(tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
               for t in _tensors((record.args, record.kwargs))]
     structure = repr((type(record.module).__qualname__, inputs, record.input_saved,
-                      [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated)
-                       for n in nodes], storages, record.packs, record.packs_needing_grad, record.last_pack))
+                      [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated,
+                        n.reachable) for n in nodes],
+                      storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
@@ -486,6 +505,7 @@ def profile_ops(
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True))
+        handles.append(register_module_forward_hook(recorder.module_output))
         with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
                 model(*example_inputs, **example_kwargs)

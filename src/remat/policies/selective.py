@@ -125,6 +125,9 @@ class _Store:
             {} if getattr(policy, "has_names", False) else None
         )
         self.follower: _Follower | None = None  # set when the forward followed a tape
+        # A forward that parted from its tape: its ops are unknown, so its recomputation runs them all, serving
+        # nothing (the follower held nothing from where it parted on).
+        self.unrecorded = False
 
     def follow(self, follower: _Follower) -> None:
         """The forward followed a tape: the replay is served what it captured (built when first needed)."""
@@ -138,6 +141,9 @@ class _Store:
     def materialize(self) -> None:
         """The slots and kept outputs of a forward that followed a tape, as the recording mode leaves them."""
         follower, self.follower = self.follower, None
+        if follower.diverged:
+            self.unrecorded = True
+            return
         for op, action, calls in follower.tape.slots:
             slot = self.slots[id(op)] = _OpSlot(op, action)
             slot.calls = calls
@@ -351,6 +357,8 @@ class _Replayer(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        if self.store.unrecorded:
+            return op(*args, **kwargs) if kwargs else op(*args)
         slot = self.store.slots.get(id(op))
         if slot is None:
             slot = self._unseen(op)

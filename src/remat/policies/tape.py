@@ -31,6 +31,8 @@ its call index) without name rules.  A region keeps the dispatch mode on every c
 in-place random draw (dropout's mask on CPU, kept by value), or where a kept output that no saved
 tensor and no module output reaches comes before the replay's end (following the tape, the replay would rerun
 an op the recording serves).  One past that end is never read in backward: following the tape, it is not held.
+The planner never keeps such outputs (:attr:`~remat.planning.opgraph.BlockGraph.keepable`), so the policies of
+a plan always follow their tapes.
 
 Example:
     >>> y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)  # records, learns the tape
