@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from remat.models import GPTConfig
-from remat.planning.options import DEFAULT_ALLOW
+from remat.planning.options import ALLOWED, DEFAULT_ALLOW
 from remat.planning.units import parse_budget
-from remat.tools.cli import _ALLOW, main
+from remat.tools.cli import _ALLOW, _ALLOWED, main
 from remat.tools.demo import run_demo
 
 SMALL = ["--layers", "2", "--steps", "2", "--seq-len", "32", "--d-model", "32", "--heads", "2", "--batch-size", "4"]
@@ -168,7 +168,7 @@ def test_help_and_argument_errors_answer_without_importing_torch():
 
 
 def test_the_commands_allow_choices_are_the_planners():
-    assert _ALLOW == DEFAULT_ALLOW
+    assert _ALLOW == DEFAULT_ALLOW and _ALLOWED == ALLOWED
 
 
 @pytest.mark.parametrize("budget", ["50", "150%", "1.5", "0%", "lots"])

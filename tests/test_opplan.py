@@ -139,7 +139,8 @@ def test_plans_on_an_accelerator_offload_what_the_link_hides_and_say_so(case):
     accelerated.ops = ops
     # Moved outputs come back together for the recomputation: a block that offloads holds them there, so the
     # plan offloads where the step's peak leaves room for that (here, in two blocks of three at 70%).
-    plan = accelerated.plan(0.7, allow=("selective",))
+    plan = accelerated.plan(0.7, allow=("selective", "offload"))
+    assert not any(block.get("offloaded") for block in accelerated.plan(0.7).blocks.values())  # asked by name
     moved = {name: block["offloaded"] for name, block in plan.blocks.items() if block.get("offloaded")}
     assert moved
     text = str(plan)

@@ -157,28 +157,34 @@ def _timed_graph(asynchronous: bool, host: float, kernel: float):
     return graph
 
 
-def test_on_an_accelerator_policy_work_counts_only_where_the_device_waits():
-    host, kernel = 5e-6, 1e-3  # long kernels: the policy's host work hides behind them
+def test_on_an_accelerator_a_rerun_costs_its_kernels_where_the_host_keeps_ahead():
+    host, kernel = 5e-6, 1e-3  # long kernels: the host's work (views, machinery, policy) hides behind them
     graph = _timed_graph(True, host, kernel)
-    o, stop = graph.overheads, graph.stop
+    stop = graph.stop
     prices = BlockPrices(graph)
-    no_kernel = sum(1 for n in graph.nodes if n.kind != "compute")
-    no_kernel_rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "compute")
-    # The region's own machinery (host work) hides behind the rerun's kernels too.
-    assert prices.checkpoint_time == pytest.approx(sum(max(host, n.kernel_time) for n in graph.nodes[:stop]))
-    # Only ops without a kernel make the device wait for the policy.
-    assert prices.selective_time - prices.checkpoint_time == pytest.approx(
-        no_kernel * o.policy_forward + no_kernel_rerun * o.policy_replay + o.policy_replay * graph.saved_needing_grad)
-    # Keeping an op spares its kernel less the host work the replay still does for it.
-    assert all(g == pytest.approx(kernel - host - o.policy_replay) for g in prices.gain.values())
+    kernels = sum(n.kernel_time for n in graph.nodes[:stop])
+    # Views cost host time only, and the device is busy with earlier kernels while the host dispatches them.
+    assert prices.checkpoint_time == pytest.approx(kernels)
+    assert prices.selective_time == pytest.approx(kernels)
+    # Keeping an op spares its kernel; the policy's host work is hidden.
+    assert all(g == pytest.approx(kernel) for g in prices.gain.values())
+    everything = tuple(prices.gain)
+    assert prices.time("selective", everything) == pytest.approx(max(kernels - kernel * len(everything),
+                                                                       prices.host_floor))
 
 
-def test_on_an_accelerator_a_host_bound_rerun_pays_for_the_machinery():
+def test_on_an_accelerator_a_host_bound_rerun_pays_for_the_host():
     host, kernel = 1e-3, 5e-6  # the host is the bottleneck: the device waits for all of its work
     graph = _timed_graph(True, host, kernel)
     o, stop = graph.overheads, graph.stop
-    assert BlockPrices(graph).checkpoint_time == pytest.approx(
-        o.region + o.per_saved * graph.saved_tensors + host * stop)
+    prices = BlockPrices(graph)
+    machinery = o.region + o.per_saved * graph.saved_tensors
+    assert prices.checkpoint_time == pytest.approx(machinery + host * stop)
+    # A selective replay adds its policy's host work per op and per rebuilt tensor needing grad; serving
+    # outputs spares kernels the device was not waiting for.
+    floor = machinery + host * stop + o.policy_replay * (stop + graph.saved_needing_grad)
+    assert prices.selective_time == pytest.approx(floor)
+    assert prices.time("selective", tuple(prices.gain)) == pytest.approx(floor)
 
 
 def test_on_the_cpu_host_and_kernel_add_up():

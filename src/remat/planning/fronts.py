@@ -254,7 +254,7 @@ def block_front(graph: BlockGraph) -> list[FrontPoint]:
     candidates = [model.point("keep", ()), model.point("checkpoint", ())]
     for _, gain, chosen in _knapsack(items):
         # Only selective states that can beat plain checkpointing on time are worth scoring.
-        if chosen and model.selective_time - gain < model.checkpoint_time:
+        if chosen and model.prices.selective(gain) < model.checkpoint_time:
             candidates.append(model.point("selective", chosen))
     candidates.sort(key=lambda p: (p.kept_bytes, p.extra_time))
     front: list[FrontPoint] = []

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_ALLOW = ("checkpoint", "save_matmuls", "selective", "offload")
-"""``remat.planning.options.DEFAULT_ALLOW``, written out so that parsing the arguments needs no torch
-(test_cli checks that the two agree)."""
+_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload")
+_ALLOW = ("checkpoint", "save_matmuls", "selective")
+"""``remat.planning.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
+no torch (test_cli checks that they agree)."""
 
 
 class UserError(Exception):
@@ -354,9 +355,10 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                       help="a fraction of the unplanned peak above parameters (0.5 or 50%%) or the whole-step peak "
                            "as a size (8GiB, 512MB); a bare number below 1 MiB is refused (did you mean 50%%?); "
                            "several budgets are planned from one profile")
-    plan.add_argument("--allow", nargs="+", default=list(_ALLOW), choices=list(_ALLOW),
+    plan.add_argument("--allow", nargs="+", default=list(_ALLOW), choices=list(_ALLOWED),
                       help="options the plan may use (selective: keep chosen op outputs of a block, recompute "
-                           "the rest)")
+                           "the rest; offload, on an accelerator only: move a block's activations, or chosen op "
+                           "outputs, to host memory; default: all but offload)")
     plan.add_argument("-o", "--output", help="write the plan as JSON")
     plan.set_defaults(run=_plan_cmd)
 
