@@ -204,7 +204,8 @@ def test_prefetch_runs_in_backward_order(fake):
         for _ in range(6):
             y = torch.sin(y)  # each saves its input: backward needs them newest first
     blocks_out = [c.dst_ptr for c in fake.copies if c.to_host]
-    fake.advance()  # the copies out complete: every tensor comes back
+    fake.advance()  # the copies out complete and are let go of: every tensor comes back
+    fake.engine.release_held()
     y.sum().backward()
     blocks_back = [c.source_ptr for c in fake.copies if not c.to_host]
     assert off.stats.offloaded_tensors == len(blocks_out) == len(blocks_back) == 6
@@ -270,6 +271,7 @@ def test_torch_device_drives_a_torch_style_module(monkeypatch):
         # pin_memory=False: pinning needs a real accelerator
         with remat.offload(min_bytes=0, device_type="cpu", pin_memory=False) as off:
             loss = model(x).sum()
+        engine.release_held()  # every copy back is made, to be seen in the log
         got = torch.autograd.grad(loss, params)
         del loss
         engine.collect()
@@ -375,9 +377,11 @@ def test_storages_a_leaf_owns_are_not_copied(fake):
     x = torch.randn(4, 16, requires_grad=True)
     for hooks in (remat.offload(min_bytes=0, device_type="cpu"), remat.save_on_cpu(pin_memory=False)):
         fake.copies.clear()
-        with use_device_model("cpu", fake), hooks:
+        with use_device_model("cpu", fake) as engine, hooks:
             y = linear(x).sin()  # saves x, the weight (a view of the parameter) and the linear's output
         fake.advance()
+        for each in (engine, fake.engine):  # offload's was made before, save_on_cpu's when it packs
+            each.release_held()
         y.sum().backward()
         # only the linear's output travelled, out and back
         assert [c.nbytes for c in fake.copies] == [4 * 16 * 4] * 2
@@ -413,6 +417,7 @@ def test_a_tensor_saved_by_several_ops_travels_once_each_way(fake, hooks):
     # x and the weights stay (a leaf's); h once, q(h) and k(h) (saved by the product) once each
     assert sorted(c.nbytes for c in out) == [4 * 16 * 4] * 3
     fake.advance()
+    fake.engine.release_held()
     got = torch.autograd.grad(loss, params)
     assert_bitwise(expected, got)
     assert len([c for c in fake.copies if not c.to_host]) == 3
@@ -447,6 +452,7 @@ def test_views_of_one_span_share_a_copy_each_in_its_own_layout(fake):
     assert [c.nbytes for c in fake.copies if c.to_host] == [2 * 4 * 16 * 4]  # h, once
     assert (off.stats.offloaded_tensors, off.stats.shared_tensors) == (4, 3)
     fake.advance()
+    fake.engine.release_held()
     assert_bitwise(expected, torch.autograd.grad(loss, params))
     assert len([c for c in fake.copies if not c.to_host]) == 1
 
@@ -502,7 +508,8 @@ def test_a_save_written_in_backward_does_not_reach_the_other_saves_of_its_bytes(
 
     with remat.offload(min_bytes=0, device_type="cpu"):
         loss = run()
-    fake.advance()  # h's copy out completed: it comes back, and the function writes into its own copy
+    fake.advance()  # h's copy out completed and is let go of: it comes back, and the function writes into its
+    fake.engine.release_held()  # own copy
     (got,) = torch.autograd.grad(loss, [x])
     h = x.detach().sin()
     assert torch.allclose(got, -h.sin() * x.detach().cos() + 2 * h * x.detach().cos())
@@ -672,3 +679,17 @@ def test_a_tensor_several_ops_save_is_served_in_flight_to_each(fake):
     assert off.stats.shared_tensors == 1
     assert_bitwise(expected, torch.autograd.grad(loss, [logits]))
     assert not [c for c in fake.copies if not c.to_host] and fake.engine.live == 0
+
+
+def test_held_tensors_are_exact_layouts_and_let_go_once_copied(fake):
+    engine = fake.engine
+    wide = torch.randn(64, 64)
+    exact = engine.stash(wide * 1, hold_in_flight=True)
+    thin = engine.stash((wide * 1)[:, :1], hold_in_flight=True)  # would come back contiguous: never held
+    assert exact.in_flight is not None and thin.layout.exact is False and thin.in_flight is None
+    engine.release_held()
+    assert exact.in_flight is not None  # its copy is still running
+    fake.advance()
+    engine.release_held()
+    assert exact.in_flight is None
+    assert torch.equal(engine.fetch(exact), wide)  # brought back over the link now

@@ -431,3 +431,29 @@ def test_refusal_prints_exact_bytes_when_rounding_would_hide_the_gap():
     assert "54,000,000 bytes whole step" in close and "54,000,100 bytes whole step" in close
     far = str(InfeasibleBudget(20_000_000, 54_000_100, param_bytes=1_000_000, unplanned_above=100_000_000))
     assert "bytes whole step" not in far and "MiB whole step" in far
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plans_that_offload_blocks_are_optimal_with_one_window_for_the_step(seed):
+    from remat.planning.options import BlockOption
+    from remat.planning.solver import _peak
+
+    prof = _synthetic(5, seed)
+    options = []
+    for i, row in enumerate(prof.rows):
+        in_flight = 40_000 if i == 0 else 300  # one block's window is large, the others' small
+        options.append([BlockOption("keep", row.own_bytes),
+                        BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True),
+                        BlockOption("offload", row.held_bytes, row.checkpoint_time * 0.1, 0, True,
+                                    in_flight=in_flight)])
+    for fraction in (0.3, 0.5, 0.7):
+        budget = prof.param_bytes + int(fraction * prof.peak_above_params)
+        costs = [sum(o.extra_time for o in chosen) for chosen in itertools.product(*options)
+                 if _peak(prof, chosen) <= budget]
+        try:
+            got = remat.planning.solver.plan_from_profile(prof, budget, options=options)
+        except remat.InfeasibleBudget:
+            assert not costs
+            continue
+        assert got.predicted_peak <= budget
+        assert got.predicted_extra_time == pytest.approx(min(costs), abs=1e-12)

@@ -100,7 +100,8 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     measured = [g.overheads.link_bytes_per_s for g in prof.ops.blocks.values()] if prof.ops is not None else []
     link = max(measured, default=0.0) or _OFFLOAD_BYTES_PER_SECOND
     engine = engine_for(prof.device.split(":")[0]) if on_accelerator else None
-    window = engine.in_flight_limit if engine is not None else 0
+    # only an engine whose copies run on their own stream holds tensors in flight
+    window = engine.in_flight_limit if engine is not None and engine.model.asynchronous else 0
     selective = {}
     if "selective" in allow and prof.ops is not None:
         from .options import selective_options

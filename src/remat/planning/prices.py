@@ -20,8 +20,9 @@ On an accelerator the host runs ahead of the device: while it dispatches a view 
 the device works through kernels queued before.  A rerun costs the larger of its kernels and its host work
 (machinery included), not the sum of each op's larger share, which charged a Llama layer's 35 views as device
 time (+22% on an H100).  A selective replay adds host work only: its policy per op and a detach per rebuilt
-tensor that requires grad.  Its forward adds nothing, since a region following its tape runs forward with no
-dispatch mode at all.  Keeping op ``i`` spares its kernel: ``max(kernels − Σ gains, host)``.  On an H100
+tensor that requires grad.  Its forward is priced as a region following its tape runs it, with no dispatch
+mode at all: the policies of plans always can (regions that cannot, such as those keeping an in-place random
+draw by value, are priced low).  Keeping op ``i`` spares its kernel: ``max(kernels − Σ gains, host)``.  On an H100
 Llama layer this gives checkpoint 2.31 ms (measured 2.30) and ``save_matmuls`` 1.7 ms (measured 1.42).
 
 On either device, a random in-place op kept by value gains its kernel less two copies of its bytes, forward's

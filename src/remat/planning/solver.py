@@ -383,14 +383,15 @@ def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], 
               ) -> list[BlockOption] | None:
     """The cheapest options that fit ``budget``, or None.
 
-    The offload hooks' window is one for the whole step, which the chain's sums cannot express: plans that
-    offload blocks are solved apart, under the budget less the largest window among the options.
+    The offload hooks' window is one for the whole step (the largest ``in_flight`` among the chosen options),
+    which the chain's sums cannot express: for each window an option may bring, the plans whose options bring
+    no larger one are solved under the budget less it, and the cheapest of those that fit is the optimum.
     """
-    window = max((o.in_flight for choices in options for o in choices), default=0)
-    without = [[o for o in choices if not o.in_flight] for choices in options]
+    windows = sorted({o.in_flight for choices in options for o in choices} | {0})
     found = []
-    for candidates, room in ((without, budget), (options, budget - window) if window else (None, 0)):
-        indices = _solve(prof, room, candidates, with_cost) if candidates is not None else None
+    for window in windows:
+        candidates = [[o for o in choices if o.in_flight <= window] for choices in options]
+        indices = _solve(prof, budget - window, candidates, with_cost)
         if indices is not None:
             found.append([choices[i] for choices, i in zip(candidates, indices)])
     return min(found, key=lambda chosen: sum(o.extra_time for o in chosen), default=None)

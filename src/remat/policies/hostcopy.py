@@ -24,10 +24,11 @@ One :class:`HostCopies` per device type serves ``remat.offload``, ``offload_wrap
   returns to it with its last copy's event and is reused only once that event has completed, asked lazily.
 * **Prefetch in backward order**: fetching the tensor saved n-th starts the copies back of the live tensors
   saved just before it, which backward needs next.
-* **No round trip for what is still in flight**: a saved-tensor hook's tensor stays held while its copy out is
-  in the window (its memory could not be reused before the copy has read it anyway), and a fetch before then
-  serves it as it is.  Backward's first fetches are forward's last saves (a loss's logits, ~1 GiB on a Llama):
-  they wait for no copy out and use no copy back.
+* **No round trip for what is still in the window**: a saved-tensor hook's tensor (laid out as it would come
+  back) stays held while its copy out is in the window (its memory could not be reused before the copy has
+  read it anyway; a later save lets go of the copies it finds complete), and a fetch serves a held tensor as
+  it is.  Backward's first fetches are forward's last saves (a loss's logits, ~1 GiB on a Llama): they wait
+  for no copy out and use no copy back.
 * **Layouts kept**: a tensor comes back with its exact sizes, strides and alignment, so backward runs the same
   kernels as without offload and gradients are bitwise equal.  The storage span a tensor covers is copied as
   is (dense tensors, broadcasts, small gaps); a tensor that covers much more storage than it has elements
@@ -248,6 +249,15 @@ class _Window:
         self.entries: deque[tuple[Any, int, weakref.ref | None]] = deque()
         self.nbytes = 0
 
+    def let_go(self, done: Any) -> None:
+        """Drop the entries whose events have completed, oldest first, and what their handles hold."""
+        while self.entries and done(self.entries[0][0]):
+            _, size, ref = self.entries.popleft()
+            self.nbytes -= size
+            held = ref() if ref is not None else None
+            if held is not None:
+                held.in_flight = None
+
     def add(self, event: Any, nbytes: int, limit: int, done: Any, handle: Stashed | None = None) -> Any:
         """Count ``nbytes`` behind ``event``; the event the host must wait for to be within ``limit`` (or None).
 
@@ -304,8 +314,9 @@ class HostCopies:
         the copy back stays on the device until each save has been fetched.
 
         ``hold_in_flight=True`` keeps the tensor while its copy out is in the window (the allocator could not
-        reuse its memory before the copy has read it anyway): a fetch before then, as backward's first ones
-        are (the last tensors forward saved, a loss's logits), serves it without a round trip over the link.
+        reuse its memory before the copy has read it anyway).  An entry leaves the window when a later save
+        finds its copy complete, so forward's last saves stay on the device into backward, whose first fetches
+        they are (a loss's logits): a fetch serves a held tensor as it is, without a round trip over the link.
         """
         if not _movable(tensor):
             return None
@@ -328,7 +339,9 @@ class HostCopies:
             dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
             event = model.copy(dst, src, side, True)
             model.record_stream(tensor, side)
-            held = (src if layout.exact else tensor.detach()) if hold_in_flight and model.asynchronous else None
+            # Only where the tensor comes back laid out as it left: a fetch must not see another layout
+            # depending on whether the copy had completed.
+            held = src if hold_in_flight and model.asynchronous and layout.exact else None
         source = weakref.ref(owner) if check_version else None
         handle = Stashed(self, block, pool, layout, tensor.device, order, event, source, tensor._version)
         if check_version and layout.exact and not (tensor.is_conj() or tensor.is_neg()):
@@ -374,17 +387,19 @@ class HostCopies:
         if type(handle) is SharedView:
             handle = handle.stashed
         _check_unchanged(handle)
-        if self._in_flight(handle):
-            return self._serve_in_flight(handle, layout)
         with self._lock:
             self._unfetched.pop(handle.order, None)
             upcoming = self._preceding(handle.order, prefetch) if prefetch and self.model.asynchronous else []
-        if handle.on_device is not None and handle.on_device._version != handle.back_version:
-            handle.on_device = None  # an earlier user wrote into the shared copy: the host block is intact
-        if handle.on_device is None:
-            self._copy_back(handle)
+            held = handle.in_flight
+        if held is None:
+            if handle.on_device is not None and handle.on_device._version != handle.back_version:
+                handle.on_device = None  # an earlier user wrote into the shared copy: the host block is intact
+            if handle.on_device is None:
+                self._copy_back(handle)
         for later in upcoming:
             self._copy_back(later)
+        if held is not None:
+            return self._serve_held(handle, layout, held)
         current = self.model.current_stream(handle.device)
         self.model.wait_event(current, handle.event)
         flat = handle.on_device
@@ -408,17 +423,9 @@ class HostCopies:
                 self.model.host_wait(late)
         return tensor
 
-    def _in_flight(self, handle: Stashed) -> bool:
-        """Whether ``handle`` is served from the device tensor it holds; once its copy out completed, it is let go
-        (unless a save already got it: every save of those bytes then gets it, as in plain autograd)."""
-        if handle.in_flight is not None and not handle.fetches and self.model.done(handle.event):
-            handle.in_flight = None  # on the host already: its device memory goes back to the allocator
-        return handle.in_flight is not None
-
-    def _serve_in_flight(self, handle: Stashed, layout: _Layout) -> torch.Tensor:
+    def _serve_held(self, handle: Stashed, layout: _Layout, held: torch.Tensor) -> torch.Tensor:
         """``handle``'s tensor from the device memory it was saved in, as plain autograd would give it: a save
         that writes into it in backward is seen by the others (autograd's version check then refuses them)."""
-        held = handle.in_flight
         with self._lock:
             handle.fetches += 1
             last = handle.fetches % handle.users == 0
@@ -427,14 +434,14 @@ class HostCopies:
         elif handle.fetches == 1:
             _release_when_backward_ends(handle)
         with _python_dispatch_off(), torch.no_grad():
-            return layout.place(held) if layout.exact else held
+            return layout.place(held)
 
     def prefetch(self, handles: Iterable[Stashed]) -> None:
         """Start copying ``handles`` back now, in this order (only where copies run asynchronously)."""
         if not self.model.asynchronous:
             return
         for handle in handles:
-            if handle.on_device is None and not self._in_flight(handle) and handle.block is not None:
+            if handle.on_device is None and handle.in_flight is None and handle.block is not None:
                 self._copy_back(handle)
 
     def fence(self, handles: Iterable[Stashed]) -> None:
@@ -445,6 +452,20 @@ class HostCopies:
                 last[handle.device] = handle
         for device, handle in last.items():  # copies out of one device complete in order on its side stream
             self.model.wait_event(self.model.current_stream(device), handle.event)
+
+    def release_held(self) -> None:
+        """Let go of the tensors saved-tensor hooks hold whose copies out have completed; later fetches bring
+        them back over the link.
+
+        The window lets go of them at the next save anyway; call this where backward does not follow forward
+        at once (an evaluation in between), to give their device memory back now.
+
+        Example:
+            >>> engine_for("cuda").release_held()
+        """
+        with self._lock:
+            for window in self._out.values():
+                window.let_go(self.model.done)
 
     def collect(self) -> None:
         """Put back in the pools the blocks whose copies have completed (never waits)."""
@@ -489,7 +510,7 @@ class HostCopies:
             if handle is None:
                 dead.append(key)
                 continue
-            if handle.on_device is None and not self._in_flight(handle):
+            if handle.on_device is None and handle.in_flight is None:
                 found.append(handle)
             seen += 1
             if seen == count:

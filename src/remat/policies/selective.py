@@ -143,6 +143,7 @@ class _Store:
         follower, self.follower = self.follower, None
         if follower.diverged:
             self.unrecorded = True
+            follower.captured = {}  # nothing of it is served: let go of what it captured now
             return
         for op, action, calls in follower.tape.slots:
             slot = self.slots[id(op)] = _OpSlot(op, action)
