@@ -475,3 +475,27 @@ def test_an_offloading_point_installs_and_gives_plain_gradients():
 
 def test_the_cpu_has_no_host_link_to_offload_over():
     assert measure_overheads(rounds=1, ops=4, device="cpu").link_bytes_per_s == 0.0
+
+
+class _MaxShift(nn.Module):
+    """max's values only feed a subtraction (nothing saves them), while its backward saves the indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.a(x)
+        values, _ = h.max(dim=-1, keepdim=True)
+        return self.b((h - values).sin())
+
+
+def test_an_op_is_keepable_only_if_every_output_with_bytes_is_reachable():
+    graph = _graph(_MaxShift(), (8, 32))
+    (top,) = [n for n in graph.nodes if n.op == "aten.max.dim"]
+    assert not top.reachable and top.index not in graph.keepable
+    # the linears' outputs: saved (a's, by max and the subtraction) or returned by a module (b's, which comes
+    # after the last saved tensor: never rerun, so not keepable)
+    first, second = [n for n in graph.nodes if n.op == "aten.addmm.default"]
+    assert first.reachable and second.reachable and first.index in graph.keepable

@@ -285,3 +285,23 @@ def test_the_demo_gpt_with_dropout_trains_bitwise_over_steps():
         got = grads(lambda: model.loss(tokens, targets), list(model.parameters()), seed=step)
         assert torch.equal(expected[0], got[0])
         assert_bitwise(expected[1], got[1])
+
+
+def test_a_kept_op_with_an_empty_output_follows_its_tape():
+    # Batch norm in eval mode returns two empty statistics besides its output: nothing can capture them, nor
+    # needs to (the follower makes them afresh).
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(16).eval()
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    keeps_the_norm = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE
+                            if op is torch.ops.aten.native_batch_norm.default else None, name="keep norm")
+
+    def fn(t):
+        return norm(t @ w).sin().cos()  # sin saves the norm's output, cos's input is rebuilt by the replay
+
+    for _ in range(3):
+        expected = torch.autograd.grad(fn(x).sum(), [x, w])
+        assert_bitwise(expected, torch.autograd.grad(remat.checkpoint(fn, x, policy=keeps_the_norm).sum(), [x, w]))
+    ((_, tape),) = _books[keeps_the_norm].tapes.values()
+    assert tape is not None

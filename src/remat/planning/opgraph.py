@@ -89,8 +89,9 @@ class OpNode:
     kernel_time: float = 0.0
     wall_time: float = 0.0
     host_time: float = 0.0
-    # Autograd saves its output's storage, or a module returns it: a region following its tape (without a
-    # dispatch mode, see remat.policies.tape) can capture it there, so keeping it needs no recording mode.
+    # Autograd saves each of its outputs' storages, or a module returns them (empty ones aside): a region
+    # following its tape (without a dispatch mode, see remat.policies.tape) can capture them there, so keeping
+    # the op needs no recording mode.
     reachable: bool = True
 
 
@@ -402,14 +403,14 @@ def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict
 
 def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> BlockGraph:
     saved_by_node: dict[int, int] = {}
-    reachable: set[int] = set()
+    unreached: set[int] = set()  # ops with an output (of any bytes) nothing saves and no module returns
     for life in record.lives:
         if life.saved:
             saved_by_node[life.producer] = saved_by_node.get(life.producer, 0) + life.nbytes
-        if life.saved or life.returned:
-            reachable.add(life.producer)
+        elif life.nbytes and not life.returned:
+            unreached.add(life.producer)
     nodes = [OpNode(saved_bytes=saved_by_node.get(n["index"], 0), wall_time=n["kernel_time"],
-                    reachable=n["index"] in reachable or n["kind"] != "compute", **n)
+                    reachable=n["index"] not in unreached or n["kind"] != "compute", **n)
              for n in record.nodes]
     storages = [StorageLife(life.producer, life.nbytes, life.saved, life.dies) for life in record.lives]
     inputs = [(tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)

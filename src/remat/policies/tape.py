@@ -92,6 +92,19 @@ class _Source:
     offloaded: bool = False  # kept in host memory: captured by copying it out, and never held on the device
 
 
+@dataclass(frozen=True)
+class _Empty:
+    """A kept output with no bytes (an op's unused output): nothing can capture it, nor needs to."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def make(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
 @dataclass
 class _Tape:
     """What the recorded forward of one region showed (see the module docstring)."""
@@ -268,18 +281,30 @@ class _Learner:
                         return self._refuse()  # an in-place draw is kept by value, not by its storage
                     kept = kept.kept
                 leaves, spec = tree_flatten(kept.structure if isinstance(kept, _KeptOutputs) else kept)
-                if any(isinstance(item, _Kept) and (id(slot.op), call, leaf) not in reached
-                       for leaf, item in enumerate(leaves)):
+                placed = [self._placed((id(slot.op), call, leaf), item, reached) for leaf, item in enumerate(leaves)]
+                if any(item is None for item in placed):
                     # Neither saved nor a module's output: the follower cannot capture it.  The replay would
                     # then run an op the recording serves (time, and bytes the plan counts, would differ).
                     if self.position.get((id(slot.op), call), 0) < self.replay_end:
                         return self._refuse()
                     continue
                 offloaded = any(k.offloaded for k in kept.tensors())
-                outputs[(id(slot.op), call)] = (
-                    spec, [_TENSOR if isinstance(item, _Kept) else item for item in leaves], offloaded)
+                outputs[(id(slot.op), call)] = (spec, placed, offloaded)
         slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
         self._file(_Tape(packs, modules, slots, outputs))
+
+    @staticmethod
+    def _placed(where: tuple[int, int, int], item: Any, reached: set) -> Any:
+        """What the tape files for one leaf of a kept call's outputs: ``_TENSOR`` (captured when followed), an
+        :class:`_Empty` to make afresh, the leaf itself (not a tensor), or None (a tensor it cannot capture)."""
+        if not isinstance(item, _Kept):
+            return item
+        if where in reached:
+            return _TENSOR
+        if item.nbytes == 0 and item.value is not None:
+            value = item.value
+            return _Empty(tuple(value.shape), value.stride(), value.dtype, value.device)
+        return None
 
     @staticmethod
     def _still_kept(source: Any, kept_calls: dict) -> Any:
@@ -392,13 +417,17 @@ class _Follower:
             captured = self.captured.get((op_id, call), {})
             if len(captured) != leaves.count(_TENSOR):
                 continue  # not captured in this call: recomputed
-            values = [captured[i][0] if item is _TENSOR else item for i, item in enumerate(leaves)]
+            values = [captured[i][0] if item is _TENSOR else item.make() if isinstance(item, _Empty) else item
+                      for i, item in enumerate(leaves)]
             if offloaded:  # already kept (and on its way to host memory) when captured
+                values = [_Kept(v, False) if isinstance(v, torch.Tensor) else v for v in values]
                 structure = tree_unflatten(values, spec)
                 yield ops[op_id], call, structure if isinstance(structure, _Kept) else _KeptOutputs.of(structure)
                 continue
             kept = _keep(tree_unflatten(values, spec), False)
-            versions = [captured[i][1] for i, item in enumerate(leaves) if item is _TENSOR]
+            # in the order of kept.tensors(): each captured tensor's version then (a made one is new)
+            versions = [captured[i][1] if item is _TENSOR else 0 for i, item in enumerate(leaves)
+                        if item is _TENSOR or isinstance(item, _Empty)]
             for tensor, version in zip(kept.tensors(), versions):
                 tensor.version = version
             yield ops[op_id], call, kept
