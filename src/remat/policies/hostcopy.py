@@ -36,10 +36,10 @@ One :class:`HostCopies` per device type serves ``remat.offload``, ``offload_wrap
 * **Invisible to dispatch modes**: the engine's own ops run with Python dispatch off and grad mode off, so a
   selective policy's modes, a debug trace or a memory tracker never see them as the region's ops.
 
-The device is reached through a *device model* (streams, events, copies): :class:`TorchDevice` wraps a torch
-device module (``torch.cuda``, ``torch.xpu``), :class:`HostDevice` copies synchronously (the CPU, where nothing
-needs moving, and accelerators without streams).  :func:`use_device_model` installs another, e.g. a fake
-device with simulated streams for tests.
+The device is reached through a *device model* (streams, events, copies; :mod:`.devicemodels`):
+:class:`TorchDevice` wraps a torch device module (``torch.cuda``, ``torch.xpu``), :class:`HostDevice` copies
+synchronously (the CPU, where nothing needs moving, and accelerators without streams).
+:func:`use_device_model` installs another, e.g. a fake device with simulated streams for tests.
 
 Example:
     >>> engine = engine_for("cuda")
@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from .devicemodels import HostDevice, TorchDevice, default_model
 from .hostpool import HostPool
 
 __all__ = ["HostCopies", "HostDevice", "SharedView", "Stashed", "TorchDevice", "engine_for", "use_device_model"]
@@ -65,94 +66,6 @@ __all__ = ["HostCopies", "HostDevice", "SharedView", "Stashed", "TorchDevice", "
 _ALIGN = 512  # the CUDA caching allocator's block alignment: kernels may pick their path by pointer alignment
 _IN_FLIGHT_LIMIT = 256 << 20  # ~5 ms of copying at 50 GB/s: enough to keep the link busy
 _python_dispatch_off = torch._C._DisableTorchDispatch
-
-
-class TorchDevice:
-    """A device model over a torch device module with streams and events (``torch.cuda``, ``torch.xpu``)."""
-
-    separate_memory = True  # its tensors are not in host memory: moving them frees device memory
-    asynchronous = True  # copies run on a side stream, so prefetching ahead overlaps compute
-    can_pin = True
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self._side: dict[tuple[int | None, bool], Any] = {}
-
-    def current_stream(self, device: torch.device) -> Any:
-        return self.module.current_stream(device)
-
-    def side_stream(self, device: torch.device, to_host: bool = True) -> Any:
-        stream = self._side.get((device.index, to_host))
-        if stream is None:
-            stream = self._side[(device.index, to_host)] = self.module.Stream(device=device)
-        return stream
-
-    def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
-        with self.module.stream(stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def host_wait(self, event: Any) -> None:
-        event.synchronize()
-
-    def record_event(self, stream: Any) -> Any:
-        return stream.record_event()
-
-    def wait_stream(self, waiter: Any, stream: Any) -> None:
-        waiter.wait_stream(stream)
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, to_host: bool) -> Any:
-        with self.module.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            return stream.record_event()
-
-    def done(self, event: Any) -> bool:
-        return event is None or event.query()
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
-
-
-class HostDevice:
-    """A device model that copies synchronously: the CPU (nothing to move), or an accelerator without streams."""
-
-    asynchronous = False
-    can_pin = False
-
-    def __init__(self, separate_memory: bool = False) -> None:
-        self.separate_memory = separate_memory
-
-    def current_stream(self, device: torch.device) -> None:
-        return None
-
-    def side_stream(self, device: torch.device, to_host: bool = True) -> None:
-        return None
-
-    def empty(self, nbytes: int, device: torch.device, stream: Any) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def host_wait(self, event: Any) -> None:
-        pass
-
-    def record_event(self, stream: Any) -> None:
-        return None
-
-    def wait_stream(self, waiter: Any, stream: Any) -> None:
-        pass
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        pass
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any, to_host: bool) -> None:
-        dst.copy_(src)
-
-    def done(self, event: Any) -> bool:
-        return True
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        pass
 
 
 class _Layout:
@@ -252,11 +165,17 @@ class _Window:
     def let_go(self, done: Any) -> None:
         """Drop the entries whose events have completed, oldest first, and what their handles hold."""
         while self.entries and done(self.entries[0][0]):
-            _, size, ref = self.entries.popleft()
-            self.nbytes -= size
-            held = ref() if ref is not None else None
-            if held is not None:
-                held.in_flight = None
+            self._pop()
+
+    def _pop(self) -> Any:
+        """Drop the oldest entry (its handle lets go of the tensor it holds: the allocator frees the memory once
+        the copy has read it); its event."""
+        event, size, ref = self.entries.popleft()
+        self.nbytes -= size
+        held = ref() if ref is not None else None
+        if held is not None:
+            held.in_flight = None
+        return event
 
     def add(self, event: Any, nbytes: int, limit: int, done: Any, handle: Stashed | None = None) -> Any:
         """Count ``nbytes`` behind ``event``; the event the host must wait for to be within ``limit`` (or None).
@@ -272,11 +191,7 @@ class _Window:
             over = self.nbytes > limit
             if not over and not done(self.entries[0][0]):
                 break
-            oldest, size, ref = self.entries.popleft()
-            self.nbytes -= size
-            held = ref() if ref is not None else None
-            if held is not None:
-                held.in_flight = None  # its memory returns to the allocator once the copy has read it
+            oldest = self._pop()
             if over:
                 late = oldest
         return late
@@ -570,17 +485,8 @@ def engine_for(device_type: str) -> HostCopies | None:
         with _engines_lock:
             engine = _engines.get(device_type)
             if engine is None:
-                engine = _engines[device_type] = HostCopies(_default_model(device_type))
+                engine = _engines[device_type] = HostCopies(default_model(device_type))
     return engine
-
-
-def _default_model(device_type: str) -> Any:
-    if device_type == "cpu":
-        return HostDevice()
-    module = getattr(torch, device_type, None)
-    if module is not None and all(hasattr(module, name) for name in ("Stream", "current_stream", "stream")):
-        return TorchDevice(module)
-    return HostDevice(separate_memory=True)
 
 
 @contextlib.contextmanager
