@@ -198,12 +198,15 @@ class _Frame:
         self.input_node = _InputSaver.apply(_ANCHOR, *tensors) if tensors else None
         return tensors
 
-    def _inputs(self) -> tuple[tuple, dict]:
+    def _input_tensors(self) -> tuple[torch.Tensor, ...]:
+        # Once per recomputation (an input saved through an outer region is unpacked from it); raises
+        # autograd's own error if an input was modified in place.
+        return self.input_node.grad_fn.saved_tensors if self.input_node is not None else ()
+
+    def _inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
-        if self.input_node is not None:
-            # Raises autograd's own error if an input was modified in place.
-            for i, t in zip(self.tensor_positions, self.input_node.grad_fn.saved_tensors):
-                leaves[i] = t
+        for i, t in zip(self.tensor_positions, tensors):
+            leaves[i] = t
         if self.spec is None:
             return tuple(leaves), {}
         return pytree.tree_unflatten(leaves, self.spec)
@@ -294,8 +297,18 @@ class _Frame:
             # Placeholders released by an earlier partial backward, or holding their tensor, need no refill.
             while stop_at and _needs_no_refill(self.placeholders[stop_at - 1]()):
                 stop_at -= 1
+        inputs = self._input_tensors()
+        refill_from = getattr(self.recompute_context, "refill", None)
+        if refill_from is not None and self.forward_done and self.traces is None:
+            # The recompute context may refill the saved tensors without rerunning the region (a selective
+            # policy's program, see remat.policies.program).
+            wanted = [i for i in range(stop_at) if not _needs_no_refill(self.placeholders[i]())]
+            tensors = refill_from(wanted, count, list(inputs), self.state.replay)
+            if tensors is not None:
+                self._check_metadata(tensors, wanted)
+                return tensors
         refill = _Refill(self)
-        args, kwargs = self._inputs()
+        args, kwargs = self._inputs(inputs)
         trace = self.traces[1] if self.traces else None
         _push_saved_tensors_default_hooks(refill.make_pack_hook(stop_at if self.early_stop else -1), _identity)
         try:
@@ -316,6 +329,14 @@ class _Frame:
             _pop_saved_tensors_default_hooks()
         refill.finish()
         return refill.tensors
+
+    def _check_metadata(self, tensors: list[Any], wanted: list[int]) -> None:
+        if self.metadata_fn is None:
+            return
+        for index in wanted:
+            got = self.metadata_fn(tensors[index])
+            if got != self.metas[index]:
+                raise Divergence("metadata", index=index, expected=self.metas[index], got=got).to_error(self.fn, None)
 
 
 class _Refill:

@@ -59,6 +59,7 @@ still reruns for its draw).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -84,6 +85,7 @@ from .decisions import (
 )
 from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs, _prefetch, _settle, _unprefetch
 from .offload import OffloadStats
+from .program import _Program, _Step, plan, run
 from .tape import _book_for, _Follower, _Learner, _region_key
 
 __all__ = ["create_selective_checkpoint_contexts"]
@@ -128,6 +130,7 @@ class _Store:
         # A forward that parted from its tape: its ops are unknown, so its recomputation runs them all, serving
         # nothing (the follower held nothing from where it parted on).
         self.unrecorded = False
+        self.program: _Program | None = None  # the followed tape's program, if its state checked out
 
     def follow(self, follower: _Follower) -> None:
         """The forward followed a tape: the replay is served what it captured (built when first needed)."""
@@ -150,6 +153,7 @@ class _Store:
             slot.calls = calls
         for op, call, kept in follower.kept():
             self.slots[id(op)].kept[call] = kept
+        self.program = follower.tape.program if follower.program_ok else None
         # Autograd keeps the forward's pack hook, and with it the follower, as long as the graph lives:
         # the kept outputs belong to the slots now, which let each go once it is served.
         follower.captured = {}
@@ -242,7 +246,7 @@ class _Forward:
         if tape is None:
             return None  # a region that cannot have a tape is recorded on every call, as without tapes
         if tape is _Learner:  # recorded once more, to learn the tape
-            self.recorder.learner = _Learner(store, book, key, anchor)
+            self.recorder.learner = _Learner(store, book, key, anchor, tensors)
             return self.recorder.learner.hold
         self.follower = _Follower(tape)
         return self.follower.hold
@@ -296,6 +300,8 @@ class _Recorder(TorchDispatchMode):
             slot = store.first_sight(op)
         action = slot.action
         if action == _IGNORE:
+            if self.learner is not None:
+                self.learner.ignored(op, args, kwargs or {}, out)
             return out
         index = slot.calls
         slot.calls = index + 1
@@ -304,7 +310,7 @@ class _Recorder(TorchDispatchMode):
         if action != _RECOMPUTE:
             store.keep(slot, index, args, kwargs or {}, out, action == _OFFLOAD)
         if self.learner is not None:
-            self.learner.output(out, slot, index, args)
+            self.learner.output(out, slot, index, args, kwargs or {})
         if store.recent is not None:
             _remember(store.recent, out, op, index)
         return out
@@ -332,6 +338,14 @@ class _Replayer(TorchDispatchMode):
         self.rng_before: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> _Replayer:
+        self._begin()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._end()
+        return super().__exit__(*exc)
+
+    def _begin(self) -> None:
         if self.store.follower is not None:
             self.store.materialize()
         for slot in self.store.slots.values():
@@ -343,9 +357,8 @@ class _Replayer(TorchDispatchMode):
         self.rng_before = [(g, g.get_state()) for g in self.store.generators.values()]
         if self.store.offloads:
             _prefetch(self.store.stashed())
-        return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def _end(self) -> None:
         for generator, state in self.rng_before:
             generator.set_state(state)
         self.rng_before = []
@@ -355,7 +368,57 @@ class _Replayer(TorchDispatchMode):
             # Outputs not served (recomputation stopped early) can never be needed: a later
             # recomputation stops at the same place or sooner.
             self.store.release_all()
-        return super().__exit__(*exc)
+
+    def refill(self, wanted: list[int], count: int, inputs: list[torch.Tensor],
+               rng: Callable[[], contextlib.AbstractContextManager]) -> list[Any] | None:
+        """Called by the engine before it reruns the region: the saved tensors ``wanted`` (by pack index, of
+        ``count``), run from the followed tape's program (:mod:`.program`), random ops under ``rng()`` (the
+        RNG as the region started); None to rerun the region."""
+        store = self.store
+        if store.follower is not None:
+            store.materialize()
+        if store.program is None:
+            return None
+        steps = plan(store.program, wanted, self._servable)
+        if steps is None:
+            return None
+        order, served, draws = steps
+        self._begin()
+        try:
+            with rng() if draws else contextlib.nullcontext():
+                return run(store.program, order, served, wanted, count, inputs, self._serve_step)
+        finally:
+            self._end()
+
+    def _servable(self, step: _Step) -> bool:
+        slot = self.store.slots.get(id(step.op))
+        kept = slot.kept.get(step.call) if slot is not None and slot.kept else None
+        if kept is None:
+            return False
+        if kept.modified() and not self.store.allow_mutation:
+            raise self._modified(step.op)
+        return not kept.modified()
+
+    def _serve_step(self, step: _Step) -> Any:
+        # Kept draws are served only when forward followed a tape, which keeps them as plain outputs.
+        return self._take(self.store.slots[id(step.op)], step.call).serve(take=self.release)
+
+    def _take(self, slot: _OpSlot, index: int) -> _Kept | _KeptOutputs | _Draw | None:
+        """The kept output of call ``index`` to serve, or None to run the call (nothing kept, or it changed in
+        place since forward and the policy allows recomputing it)."""
+        kept = slot.kept.get(index) if slot.kept else None
+        if kept is None:
+            return None
+        if kept.modified():
+            if not self.store.allow_mutation:
+                raise self._modified(slot.op)
+            # Recomputing gives the value forward saw, which serving the modified one would not
+            # (a random op draws it again: the RNG is where forward had it, as every draw before is).
+            del slot.kept[index]
+            return None
+        if self.release:
+            del slot.kept[index]
+        return kept
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
         if self.store.unrecorded:
@@ -369,18 +432,9 @@ class _Replayer(TorchDispatchMode):
         if index >= slot.calls:
             raise self._diverged(op, index)
         slot.replayed = index + 1
-        kept = slot.kept.get(index) if slot.kept else None
+        kept = self._take(slot, index)
         if kept is None:
             return op(*args, **kwargs) if kwargs else op(*args)
-        if kept.modified():
-            if not self.store.allow_mutation:
-                raise self._modified(op)
-            # Recomputing gives the value forward saw, which serving the modified one would not
-            # (a random op draws it again: the RNG is where forward had it, as every draw before is).
-            del slot.kept[index]
-            return op(*args, **kwargs) if kwargs else op(*args)
-        if self.release:
-            del slot.kept[index]
         if type(kept) is _Draw:
             return kept.serve(self.release, args, kwargs or {})
         if slot.random:

@@ -53,31 +53,37 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .decisions import _RANDOM_WRITE, _VIEW_OR_INPLACE, _traits
 from .kept import _Draw, _keep, _Kept, _KeptOutputs, _settle
+from .program import _Program, _ProgramWriter, state_matches
 
 __all__ = ["tapes"]
 
 _EXTERNAL = "external"  # a saved tensor made outside the region: held, never served
 _TENSOR = "tensor"  # in a kept call's outputs: a tensor leaf (the others are kept as they are)
 _BOOK_SIZE = 64  # tapes kept per policy (regions × input signatures)
-_enabled = [True]
+_enabled = [True, True]  # tapes, programs
 
 
 @contextlib.contextmanager
-def tapes(enabled: bool) -> Iterator[None]:
+def tapes(enabled: bool, *, programs: bool = True) -> Iterator[None]:
     """Turn tapes on or off for the selective regions run inside (on by default).
 
     Off, every forward of a selective region runs under the recording dispatch mode, as the first does.
+    ``programs=False`` keeps tapes for forward but reruns the region's Python code in backward instead of
+    its program (:mod:`remat.policies.program`): for a region whose ops take a Python number that changes
+    between calls.  Both are decided when a region's forward runs.
 
     Example:
         >>> with remat.policies.tapes(False):
         ...     y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)
+        >>> with remat.policies.tapes(True, programs=False):
+        ...     y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)
     """
-    before = _enabled[0]
-    _enabled[0] = enabled
+    before = list(_enabled)
+    _enabled[:] = [enabled, programs]
     try:
         yield
     finally:
-        _enabled[0] = before
+        _enabled[:] = before
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class _Tape:
     modules: dict[int, list[tuple[int, _Source]]]  # module call -> (output leaf, kept output it carries)
     slots: list[tuple[Any, int, int]]  # every op the region ran: op, action, calls
     outputs: dict[tuple[int, int], tuple[Any, list[Any], bool]]  # kept call -> outputs' spec, leaves, offloaded
+    program: _Program | None = None  # the recomputation, run straight from the ops (see .program)
+    no_program: str | None = None  # why there is none
 
 
 @dataclass
@@ -176,8 +184,10 @@ class _Learner:
     """Holds, while the recording forward runs, the saved tensors the policy keeps (or that come from
     outside), and writes the region's tape into ``book`` (None there: a region that cannot have one)."""
 
-    def __init__(self, store: Any, book: _Book, key: Any, anchor: Any) -> None:
+    def __init__(self, store: Any, book: _Book, key: Any, anchor: Any, inputs: list[torch.Tensor]) -> None:
         self.store, self.book, self.key, self.anchor = store, book, key, anchor
+        self.program: _ProgramWriter | None = _ProgramWriter(inputs)
+        self.modules: list[Any] = []  # modules the forward called, as their forwards return
         # storage -> (its bytes, slot and call of the op that allocated it, output leaf, output geometry)
         self.made: dict[tuple[str, int], tuple[int, Any, int, int, Any]] = {}
         self.drawn: set[tuple[str, int]] = set()
@@ -198,13 +208,19 @@ class _Learner:
             self._write()
         # Autograd keeps the forward's pack hook, and with it this learner, as long as the graph lives.
         self.made, self.packs, self.module_outputs, self.position = {}, [], [], {}
+        self.modules, self.program = [], None
 
-    def output(self, out: Any, slot: Any, call: int, args: tuple) -> None:
-        """An op ran under the recording mode: remember which storages it allocated.
+    def ignored(self, op: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """An op no policy decides ran (a ``detach``): the program runs it all the same."""
+        self.program.step(op, args, kwargs, out, None)
+
+    def output(self, out: Any, slot: Any, call: int, args: tuple, kwargs: dict) -> None:
+        """An op ran under the recording mode: write it into the program, remember which storages it allocated.
 
         An allocating op's storage is new, so an address seen before was freed and is taken over.  Python
         wrappers of intermediate tensors die while autograd still holds them, so liveness is not asked.
         """
+        self.program.step(slot.op, args, kwargs, out, call)
         self.ops_run += 1
         traits = _traits(slot.op)
         if traits & _RANDOM_WRITE and isinstance(out, torch.Tensor):
@@ -241,6 +257,7 @@ class _Learner:
 
     def hold(self, index: int, t: torch.Tensor) -> bool:
         source = self._source(t)
+        self.program.pack(t)
         self.packs.append((t.shape, t.dtype, t._version, source))
         held = source is not None and not (isinstance(source, _Source) and source.offloaded)
         if not held:
@@ -250,6 +267,7 @@ class _Learner:
         return held
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
+        self.modules.append(module)
         found = []
         leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
         for leaf, t in enumerate(leaves):
@@ -291,7 +309,8 @@ class _Learner:
                 offloaded = any(k.offloaded for k in kept.tensors())
                 outputs[(id(slot.op), call)] = (spec, placed, offloaded)
         slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
-        self._file(_Tape(packs, modules, slots, outputs))
+        program = self.program.finish(self.modules)
+        self._file(_Tape(packs, modules, slots, outputs, program, self.program.refused))
 
     @staticmethod
     def _placed(where: tuple[int, int, int], item: Any, reached: set) -> Any:
@@ -331,10 +350,13 @@ class _Follower:
         self.seen = 0
         self.module_calls = 0
         self.diverged = False
+        # Programs are on, and every module called held the parameters and buffers the program reads.
+        self.program_ok = _enabled[1]
         self.hook: Any = None
 
     def enter(self) -> None:
-        if self.tape.modules:
+        program = self.tape.program
+        if self.tape.modules or (self.program_ok and program is not None and program.checks):
             self.hook = register_module_forward_hook(self._module_output)
 
     def exit(self) -> None:
@@ -379,11 +401,20 @@ class _Follower:
         if source is not _EXTERNAL:
             self._capture(t, source)
             return not source.offloaded
+        if self.program_ok:
+            program = self.tape.program
+            state = program.saved_state.get(index) if program is not None else None
+            if state is not None and t is not program.state[state]():
+                self.program_ok = False  # the program would read the tensor the recorded forward saved here
         return True
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
-        wanted = self.tape.modules.get(self.module_calls)
+        number = self.module_calls
         self.module_calls += 1
+        program = self.tape.program
+        if self.program_ok and program is not None and program.checks and not state_matches(program, number, module):
+            self.program_ok = False
+        wanted = self.tape.modules.get(number)
         if wanted and not self.diverged:
             leaves = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             for leaf, source in wanted:

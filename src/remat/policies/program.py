@@ -1,0 +1,328 @@
+"""Programs: a followed region's recomputation, run straight from the ops its recorded forward ran.
+
+A region that follows its tape (:mod:`.tape`) runs forward with no dispatch mode, and the usual replay
+reruns its whole Python forward in backward, under a dispatch mode, serving the kept outputs.  On a GPU
+that rerun is host work the device waits for: a layer whose matmuls are kept still pays a Python trip per
+op, for ops that mostly produce nothing backward needs.
+
+While the recording forward runs, a :class:`_ProgramWriter` also writes down every op call with where each
+of its tensor arguments came from: an earlier call's output, a region input, or a parameter or buffer of a
+module the region calls.  That list, the *program*, is filed with the tape.  A later backward of a region
+that followed the tape runs only the calls the dropped saved tensors depend on, in forward order, with the
+kept outputs served instead of rerun: no module code, no dispatch mode, and no ops whose outputs nobody
+needs.  A policy that keeps a layer's matmuls reruns its norms, rotary embedding and activations only.
+
+Each call runs below autograd and autocast, as it ran in forward (its arguments were already cast there),
+and every intermediate is let go after its last use in the run.
+
+A region gets no program (its replay reruns the Python forward, as before) where a direct run could differ
+from that rerun:
+
+- an op writes to its input (in-place or ``out=``): its value would depend on what ran before;
+- an op returns a Python value (``.item()``): later ops were given that value as a constant;
+- a tensor argument comes from neither an earlier op nor an input, and is neither a parameter or buffer of
+  a module the region calls nor saved by autograd (a tensor from a closure or a global that only feeds an
+  addition, say: the follower could not tell whether a later call reads another one);
+- a tensor is a subclass, on the meta device, or functorch transforms are active.
+
+Random ops rerun as the Python rerun does them: the RNG is put where it was when the region started, and
+every random op before a needed one reruns too (a kept one included, which then draws its kept value
+again), so each draws what it drew in forward.  A run is given up for the Python rerun where a module the
+forward called held another parameter or buffer under the name the program reads, or where autograd saved
+another tensor than the one the program reads from outside (both checked by identity in forward: after
+swapping adapters, say).
+
+The one thing a program cannot see is a Python number that changes between calls with inputs alike (a
+scale annealed by a global counter): the program reruns the op with the number of the recorded forward.
+Run such a region with ``remat.policies.tapes(True, programs=False)``, and one that branches on values
+with ``tapes(False)``.
+
+Example:
+    >>> y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)  # records: program written
+    >>> y = remat.checkpoint(block, x, policy=remat.policies.save_matmuls)  # follows the tape
+    >>> y.sum().backward()  # reruns only the ops whose outputs backward needs, from the program
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__: list[str] = []
+
+# Where a tensor argument comes from: (_STEP, step, output leaf), (_INPUT, position, 0), (_STATE, index, 0).
+_STEP, _INPUT, _STATE = 0, 1, 2
+Ref = tuple[int, int, int]
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+for _name in dir(torch._C.DispatchKey):
+    if _name.startswith("Autocast"):
+        _AUTOCAST = _AUTOCAST | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _name))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One op call of the recorded forward; its tensor arguments are filled in from ``fills``."""
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    fills: tuple[tuple[Any, Ref], ...]  # (argument position, kwarg name or (position, list index), source)
+    call: int | None  # the call index the policy's slot counts (None: an op no policy decides)
+    random: bool
+
+
+@dataclass
+class _Program:
+    """A region's op calls, where each saved tensor comes from, and the module state they read."""
+
+    steps: list[_Step]
+    packs: list[Ref]  # per saved tensor, in the pack hook's order
+    state: list[weakref.ref]  # the tensors from outside the region the steps read
+    checks: dict[int, list[tuple[str, str, int]]]  # module call -> (its dict, name, state index) to verify
+    saved_state: dict[int, int]  # pack index -> state index of the tensor from outside autograd saves there
+    previous_draw: list[int]  # per step, the random step before it (-1: none)
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype
+
+
+class _ProgramWriter:
+    """Writes the program of one recorded forward, or the reason it cannot have one."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.refs: dict[tuple, Ref] = {}
+        self.steps: list[_Step] = []
+        self.packs: list[Ref] = []
+        self.outside: list[torch.Tensor] = []  # strong only while forward runs
+        self.outside_index: dict[int, int] = {}
+        self.saved_state: dict[int, int] = {}
+        self.refused: str | None = None
+        if torch._C._are_functorch_transforms_active():
+            self.refused = "functorch transforms are active"
+        for position, t in enumerate(inputs):
+            if self._plain(t):
+                self.refs[_key(t)] = (_INPUT, position, 0)
+
+    def step(self, op: Any, args: tuple, kwargs: dict, out: Any, call: int | None) -> None:
+        """An op ran under the recording mode."""
+        if self.refused is not None:
+            return
+        if not isinstance(op, torch._ops.OpOverload):
+            return self._refuse(f"{op} is not an ATen operator")
+        if op._schema.is_mutable:
+            return self._refuse(f"{op} writes to its input")
+        fills: list[tuple[Any, Ref]] = []
+        args = self._template(list(args), range(len(args)), fills)
+        kwargs = self._template(dict(kwargs), list(kwargs), fills)
+        if self.refused is not None:
+            return
+        index = len(self.steps)
+        leaves = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        if not isinstance(out, (torch.Tensor, tuple, list)) and out is not None:
+            return self._refuse(f"{op} returns a Python value that later ops may use as a constant")
+        for leaf, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor):
+                if not self._plain(t):
+                    return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
+                self.refs[_key(t)] = (_STEP, index, leaf)
+        random = torch.Tag.nondeterministic_seeded in op.tags
+        self.steps.append(_Step(op, tuple(args), kwargs, tuple(fills), call, random))
+
+    def pack(self, t: torch.Tensor) -> None:
+        """Autograd saved ``t`` (the pack hook's next index)."""
+        if self.refused is None:
+            ref = self._ref(t)
+            if ref[0] == _STATE:
+                self.saved_state[len(self.packs)] = ref[1]
+            self.packs.append(ref)
+
+    def finish(self, modules: Sequence[torch.nn.Module]) -> _Program | None:
+        """Forward ended; ``modules`` are the modules it called, in the order their forwards returned."""
+        if self.refused is not None:
+            return None
+        checks: dict[int, list[tuple[str, str, int]]] = {}
+        saved = set(self.saved_state.values())
+        for index, t in enumerate(self.outside):
+            found = _owner(t, modules)
+            if found is None:
+                if index in saved:
+                    continue  # the follower sees autograd save it
+                return self._refuse(
+                    f"a {tuple(t.shape)} tensor comes from outside the region, is no parameter or buffer of a "
+                    "module it calls, and autograd does not save it")
+            number, where, name = found
+            checks.setdefault(number, []).append((where, name, index))
+        previous_draw, last = [], -1
+        for number, step in enumerate(self.steps):
+            previous_draw.append(last)
+            if step.random:
+                last = number
+        state = [weakref.ref(t) for t in self.outside]
+        return _Program(self.steps, self.packs, state, checks, self.saved_state, previous_draw)
+
+    def _template(self, container: Any, positions: Any, fills: list) -> Any:
+        for position in positions:
+            value = container[position]
+            if isinstance(value, torch.Tensor):
+                fills.append((position, self._ref(value)))
+                container[position] = None  # the program must not keep forward's tensors alive
+            elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+                inner = container[position] = list(value)
+                for item, v in enumerate(value):
+                    if isinstance(v, torch.Tensor):
+                        fills.append(((position, item), self._ref(v)))
+                        inner[item] = None
+        return container
+
+    def _ref(self, t: torch.Tensor) -> Ref:
+        if not self._plain(t):
+            self._refuse(f"a {type(t).__name__} on {t.device} is an argument")
+            return (_STATE, -1, 0)
+        key = _key(t)
+        ref = self.refs.get(key)
+        if ref is None:
+            index = self.outside_index.get(id(t))
+            if index is None:
+                index = self.outside_index[id(t)] = len(self.outside)
+                self.outside.append(t)
+            ref = self.refs[key] = (_STATE, index, 0)
+        return ref
+
+    @staticmethod
+    def _plain(t: torch.Tensor) -> bool:
+        return type(t) in _PLAIN_TYPES and t.device.type != "meta"
+
+    def _refuse(self, why: str) -> None:
+        if self.refused is None:
+            self.refused = why
+        self.outside = []
+
+
+def _owner(t: torch.Tensor, modules: Sequence[torch.nn.Module]) -> tuple[int, str, str] | None:
+    """The first module call whose module holds ``t`` as a parameter or buffer: (call, dict, name)."""
+    for number, module in enumerate(modules):
+        for where in ("_parameters", "_buffers"):
+            for name, value in getattr(module, where).items():
+                if value is t:
+                    return number, where, name
+    return None
+
+
+def state_matches(program: _Program, number: int, module: torch.nn.Module) -> bool:
+    """Whether module call ``number`` of a followed forward holds the state the program reads."""
+    for where, name, index in program.checks.get(number, ()):
+        held = program.state[index]()
+        if held is None or getattr(module, where).get(name) is not held:
+            return False
+    return True
+
+
+def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], bool]) -> tuple[list, set, bool] | None:
+    """The steps for the saved tensors ``wanted`` (in forward order), those of them to serve (``servable``
+    says which have a kept output to serve), and whether a random op runs; None where only the Python rerun
+    can refill them."""
+    steps = program.steps
+    needed = [False] * len(steps)
+    for index in wanted:
+        kind, where, _ = program.packs[index]
+        if kind == _STEP:
+            needed[where] = True
+        elif kind == _STATE and program.state[where]() is None:
+            return None
+    served = set()
+    draws = False  # whether a random op after the step at hand runs
+    for number in range(len(steps) - 1, -1, -1):
+        if not needed[number]:
+            continue
+        step = steps[number]
+        if step.call is not None and servable(step):
+            if not (step.random and draws):
+                served.add(number)
+                continue
+            # A kept draw with a random op after it reruns so that op draws what it drew in forward (the same
+            # value: the RNG is where forward had it), as the Python rerun reruns it for its advance.
+        if step.random:
+            draws = True
+            if program.previous_draw[number] >= 0:
+                needed[program.previous_draw[number]] = True
+        for _, (kind, where, _) in step.fills:
+            if kind == _STEP:
+                needed[where] = True
+            elif kind == _STATE and program.state[where]() is None:
+                return None
+    return [number for number, need in enumerate(needed) if need], served, draws
+
+
+def run(program: _Program, order: list[int], served: set, wanted: Sequence[int], count: int,
+        inputs: Sequence[torch.Tensor], serve: Callable[[_Step], Any]) -> list[Any]:
+    """Run ``order`` (from :func:`plan`); the refilled saved tensors, by pack index (None where not wanted).
+
+    Random ops draw from the RNG as the caller set it (where it was when the region started)."""
+    steps, packs = program.steps, program.packs
+    last_use: dict[int, int] = {}
+    for number in order:
+        if number not in served:
+            for _, (kind, where, _) in steps[number].fills:
+                if kind == _STEP:
+                    last_use[where] = number
+    result: list[Any] = [None] * count
+    by_step: dict[int, list[tuple[int, int]]] = {}
+    for index in wanted:
+        kind, where, leaf = packs[index]
+        if kind == _STEP:
+            by_step.setdefault(where, []).append((index, leaf))
+        else:
+            result[index] = _value(kind, where, leaf, None, inputs, program.state).detach()
+    values: dict[int, list[Any]] = {}
+    with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST), torch._C._AutoDispatchBelowADInplaceOrView():
+        for number in order:
+            step = steps[number]
+            if number in served:
+                out = serve(step)
+            else:
+                args, kwargs = _arguments(step, values, inputs, program.state)
+                out = step.op(*args, **kwargs)
+            flat = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            values[number] = flat
+            for index, leaf in by_step.get(number, ()):
+                value = flat[leaf]
+                result[index] = value.detach() if value.requires_grad else value
+            if number not in served:
+                for _, (kind, where, _) in step.fills:
+                    if kind == _STEP and last_use.get(where) == number:
+                        values.pop(where, None)
+    return result
+
+
+def _value(kind: int, where: int, leaf: int, values: Any, inputs: Sequence[torch.Tensor], state: list) -> Any:
+    if kind == _STEP:
+        return values[where][leaf]
+    if kind == _INPUT:
+        return inputs[where]
+    return state[where]()
+
+
+def _arguments(step: _Step, values: dict, inputs: Sequence[torch.Tensor], state: list) -> tuple[list, dict]:
+    args = list(step.args)
+    kwargs = dict(step.kwargs)
+    for position, (kind, where, leaf) in step.fills:
+        value = _value(kind, where, leaf, values, inputs, state)
+        if isinstance(position, tuple):  # an item of a tensor list
+            outer, item = position
+            container, template = (kwargs, step.kwargs) if isinstance(outer, str) else (args, step.args)
+            if container[outer] is template[outer]:
+                container[outer] = list(template[outer])  # the template's list stays as recorded
+            container[outer][item] = value
+        elif isinstance(position, str):
+            kwargs[position] = value
+        else:
+            args[position] = value
+    return args, kwargs
