@@ -5,6 +5,8 @@ Run by hand (never in CI):
     python benchmarks/policies.py                      # both models, 15 rounds
     python benchmarks/policies.py --models demo --repeats 21
     python benchmarks/policies.py --models tiny --repeats 41   # per-operator dispatch cost
+    python benchmarks/policies.py --models tiny-follows --variants plain full remat-policy remat-policy-rerun \
+        remat-policy-recorded --repeats 21   # host cost of tapes and programs
 
 Two policies: keep the outputs of ``remat.policies.MATMUL_OPS``, or keep every op's output (nothing is
 recomputed, so what it costs above plain is the machinery alone).  Variants:
@@ -15,7 +17,9 @@ recomputed, so what it costs above plain is the machinery alone).  Variants:
 * ``remat-ctx`` — ``remat.checkpoint`` with remat's ``create_selective_checkpoint_contexts`` and the *same*
   policy function (``context_fn=``): a policy function is asked on every call, so no tape;
 * ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers),
-  following each block's tape after its first call (:mod:`remat.policies.tape`);
+  following each block's tape after its first call (:mod:`remat.policies.tape`) and refilled in backward
+  from its program (:mod:`remat.policies.program`); ``remat-policy-rerun`` — the same with the block's
+  Python code rerun in backward instead (``tapes(True, programs=False)``);
   ``remat-policy-recorded`` — the same under ``remat.policies.tapes(False)``: every call recorded;
 * ``torch-sac-all``, ``remat-all``, ``remat-all-recorded`` — the keep-everything policy, in torch's SAC,
   in remat with tapes, and in remat with every call recorded.
@@ -27,7 +31,9 @@ Models: ``gpt`` (the ``remat bench`` case: 6 GPT blocks, d 256, 4 heads, seq 256
 random float input), ``demo`` (the ``remat demo`` defaults: ``remat.models.GPT`` with 4 blocks, d 128,
 4 heads, seq 256, vocab 512, batch 8, dropout 0.1, cross-entropy loss) and ``tiny`` (8 blocks of 60 ops on
 4x16 tensors, a 16x16 matmul every fourth op: launch-bound, so the per-operator cost of the policy's
-dispatch modes dominates).
+dispatch modes dominates; each matmul feeds a ``tanh``, which saves its output, so no tape captures the kept
+matmul and every call is recorded), and ``tiny-follows`` (the same with ``sin`` after each matmul: its calls
+after the first follow their tapes, so it measures the tape and the program).
 
 Each round times one training step (zero grads, forward, backward) of every variant, the order rotated
 round to round so machine noise hits all alike; warm-up rounds are excluded.  Time ratios are taken within
@@ -62,8 +68,8 @@ from remat.policies import Policy, tapes
 from remat.policies.rules import MATMUL_OPS, save_matmuls
 from remat.tools.bench import Chain
 
-VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy", "remat-policy-recorded", "torch-sac-all",
-            "remat-all", "remat-all-recorded")
+VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy", "remat-policy-rerun", "remat-policy-recorded",
+            "torch-sac-all", "remat-all", "remat-all-recorded")
 
 
 def keep_matmuls(ctx, op, *args, **kwargs):
@@ -109,9 +115,11 @@ def _remat_all(block, x):
     return remat.checkpoint(block, x, policy=save_everything)
 
 
-def _recorded(run: Callable) -> Callable:
+def _recorded(run: Callable, follow: bool = False) -> Callable:
+    """``run`` with every call recorded, or (``follow=True``) following tapes but rerunning the region's
+    Python code in backward instead of its program."""
     def recorded(block, x):
-        with tapes(False):
+        with tapes(follow, programs=False):
             return run(block, x)
 
     return recorded
@@ -125,12 +133,12 @@ def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
     """A copy of ``model`` whose blocks run under ``variant``."""
     model = copy.deepcopy(model)
     blocks = getattr(model, blocks_attr)
-    if variant in ("remat-policy", "remat-policy-recorded"):
+    if variant in ("remat-policy", "remat-policy-rerun", "remat-policy-recorded"):
         chosen = {id(block) for block in blocks}
         remat.apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, policy=save_matmuls)
-        if variant == "remat-policy-recorded":
+        if variant != "remat-policy":
             for i, block in enumerate(blocks):
-                blocks[i] = _Wrapped(block, _recorded(lambda b, x: b(x)))
+                blocks[i] = _Wrapped(block, _recorded(lambda b, x: b(x), follow=variant == "remat-policy-rerun"))
     elif variant != "plain":
         for i, block in enumerate(blocks):
             blocks[i] = _Wrapped(block, _RUNS[variant])
@@ -138,13 +146,22 @@ def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
 
 
 class _TinyBlock(nn.Module):
-    def __init__(self) -> None:
+    """20 × (an op, a square, a shift); every 4th op a matmul then ``tanh`` (which saves its output, so no
+    tape can capture the kept matmul: every call is recorded) or, ``follows=True``, ``sin`` (saves its input:
+    calls after the first follow the tape)."""
+
+    def __init__(self, follows: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+        self.follows = follows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(20):
-            x = (x @ self.weight).tanh() if i % 4 == 0 else x.sin()
+            if i % 4 == 0:
+                x = x @ self.weight
+                x = x.sin() if self.follows else x.tanh()
+            else:
+                x = x.sin()
             x = x * x
             x = x + 0.5
         return x
@@ -173,17 +190,18 @@ def _models() -> dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], t
 
         return model, loss, "demo GPT: 4 blocks, d 128, seq 256, batch 8 (remat demo defaults)"
 
-    def tiny():
+    def tiny(follows: bool = False):
         torch.manual_seed(0)
-        model = Chain(nn.ModuleList(_TinyBlock() for _ in range(8)))
+        model = Chain(nn.ModuleList(_TinyBlock(follows) for _ in range(8)))
         x = torch.randn(4, 16)
 
         def loss(m):
             return m(x.clone().requires_grad_()).sum()
 
-        return model, loss, "8 blocks x 60 ops on 4x16, a 16x16 matmul every 4th op (launch-bound)"
+        kind = "sin after each matmul (tapes followed)" if follows else "tanh after each matmul (never followed)"
+        return model, loss, f"8 blocks x 60 ops on 4x16, a 16x16 matmul every 4th op, {kind} (launch-bound)"
 
-    return {"gpt": gpt, "demo": demo, "tiny": tiny}
+    return {"gpt": gpt, "demo": demo, "tiny": tiny, "tiny-follows": functools.partial(tiny, True)}
 
 
 class _CountOps(TorchDispatchMode):

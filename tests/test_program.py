@@ -286,3 +286,42 @@ def test_a_hugging_face_llama_layer_with_sdpa_runs_its_program_bitwise():
     finally:
         selective_module.run = real
     assert len(refills) == 4  # both layers, in the two steps that followed their tapes
+
+
+def test_a_kept_output_no_tape_can_capture_is_fine_where_no_dropped_tensor_needs_it(runs):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    asked = [0]
+
+    def rule(op):
+        asked[0] += 1
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.mul.Tensor) else None
+
+    policy = Policy(op_rule=rule, name="mm and mul")
+
+    def fn(t):
+        h = t @ w
+        u = h * 3  # kept, but autograd saves nothing of it: a follower cannot capture it
+        s = h.sin()  # dropped: rebuilt from the served matmul alone
+        return s.cos() + (u + 1)
+
+    for step in range(3):
+        asked[0] = 0
+        _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x, w], count=1)
+        assert (asked[0] > 0) == (step == 0)  # recorded once, then followed
+    assert len(runs) == 2
+
+
+def test_a_kept_output_no_tape_can_capture_refuses_the_tape_where_a_dropped_tensor_needs_it():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    policy = _keep({torch.ops.aten.mm.default, torch.ops.aten.mul.Tensor})
+
+    def fn(t):
+        u = (t @ w) * 3  # kept, not capturable, and the dropped sine input below is made from it
+        return (u + 1).sin()
+
+    _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x, w])
+    (entry,) = _books[policy].tapes.values()
+    assert entry[1] is None  # recorded on every call, as the policy asks

@@ -187,6 +187,23 @@ def test_on_an_accelerator_a_host_bound_rerun_pays_for_the_host():
     assert prices.time("selective", tuple(prices.gain)) == pytest.approx(floor)
 
 
+def test_on_an_accelerator_a_program_reruns_only_what_the_saved_tensors_need():
+    host, kernel = 1e-3, 5e-6  # host-bound: what the refill's host work costs shows
+    graph = _timed_graph(True, host, kernel)
+    graph.overheads = dataclasses.replace(graph.overheads, program_op=2e-6)
+    o = graph.overheads
+    prices = BlockPrices(graph)
+    rerun = graph.program_rerun()
+    ops = [graph.nodes[i].op for i in rerun]
+    # The first projection and the activation make what the second projection saves; nothing else is needed.
+    assert graph.runs_program and ops.count("aten.addmm.default") == 1 and "aten.gelu.default" in ops
+    assert prices.host_floor == pytest.approx(o.region + o.per_saved * graph.saved_tensors + 2e-6 * len(rerun))
+    assert prices.selective_time == pytest.approx(prices.host_floor)  # no Python rerun: far below checkpoint's
+    assert prices.checkpoint_time > 10 * prices.selective_time
+    assert prices.device_time == pytest.approx(sum(graph.nodes[i].kernel_time for i in rerun))
+    assert all(g == pytest.approx(kernel if i in rerun else 0.0) for i, g in prices.gain.items())
+
+
 def test_on_the_cpu_host_and_kernel_add_up():
     host, kernel = 5e-6, 1e-3
     graph = _timed_graph(False, host, kernel)

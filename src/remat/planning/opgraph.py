@@ -143,6 +143,23 @@ class BlockGraph:
                 if (n.kind == "compute" or n.kind == "alias" and n.random) and not n.mutated
                 and n.index < self.stop and n.out_bytes > 0 and n.reachable]
 
+    @property
+    def runs_program(self) -> bool:
+        """Whether a region of this block following its tape refills from its program
+        (:mod:`remat.policies.program`): no op writes in place or returns a Python value."""
+        return not any(n.writes or n.op == "aten._local_scalar_dense.default" for n in self.nodes)
+
+    def program_rerun(self) -> list[int]:
+        """The ops a program reruns when nothing is kept: the makers of the storages autograd saves, the ops
+        they need, and the views and detaches of what those make (before :attr:`stop`)."""
+        needed = {s.producer for s in self.storages if s.saved and s.producer < self.stop}
+        for node in reversed(self.nodes[:self.stop]):
+            if node.index in needed:
+                needed.update(node.needs)
+        views = [n.index for n in self.nodes[:self.stop]
+                 if n.kind != "compute" and n.index not in needed and needed.intersection(n.needs)]
+        return sorted(needed.union(views))
+
     def copied_bytes(self, index: int) -> int:
         """Bytes keeping node ``index`` copies (forward, and back in recomputation): a random in-place op's value."""
         node = self.nodes[index]

@@ -29,7 +29,9 @@ class Overheads:
     replay); ``per_saved``: per tensor autograd saves inside a region
     (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
     op dispatched under a selective policy in forward / in recomputation;
-    ``copy_per_byte``: per byte of one copy on the model's device (a kept
+    ``program_op``: per op a region following its tape reruns from its program
+    (:mod:`remat.policies.program`: no dispatch mode, below autograd), the op's
+    dispatch included; ``copy_per_byte``: per byte of one copy on the model's device (a kept
     random in-place op is copied in forward and copied back in recomputation);
     ``link_bytes_per_s``: bytes per second between the device and pinned host
     memory, the slower way (0 where the device's memory is the host's: nothing
@@ -42,6 +44,7 @@ class Overheads:
     policy_replay: float
     copy_per_byte: float
     link_bytes_per_s: float = 0.0
+    program_op: float = 0.0
 
 
 def _chain(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -82,6 +85,27 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         times = clock.read()
         return times[middle] - times[start], times[end] - times[middle]
 
+    refills: list[tuple[Any, Any]] = []
+
+    def timed_refill() -> float:
+        """One checkpointed step of the chain under the probe: recorded once, then following its tape, its
+        backward refilled from its program (the refill alone is timed)."""
+        forward, recompute = probe.context_fn()
+        refill = recompute.refill
+
+        def timed(*args: Any) -> Any:
+            start = clock.mark()
+            out = refill(*args)
+            refills.append((start, clock.mark()))
+            return out
+
+        recompute.refill = timed
+        checkpoint(_chain, x, ops, context_fn=lambda: (forward, recompute)).sum().backward()
+        times = clock.read()
+        start, end = refills.pop()
+        return times[end] - times[start]
+
+    timed_refill()  # records the tape
     steps: dict[str, Callable[[], Any]] = {
         "forward": lambda: _chain(x, ops),
         "short": lambda: _chain(x, 1).sum().backward(),
@@ -91,7 +115,7 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
     }
     block = torch.ones(copy_bytes // 4, device=device)
     copy_clock = Clock(device)
-    samples: dict[str, list[float]] = {label: [] for label in (*steps, "copy", "recorder", "replayer")}
+    samples: dict[str, list[float]] = {label: [] for label in (*steps, "copy", "recorder", "replayer", "program")}
     with torch.random.fork_rng(devices=[]):
         for _ in range(rounds):
             for label, step in steps.items():
@@ -100,6 +124,7 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
             recorded, replayed = under_policy()
             samples["recorder"].append(recorded)
             samples["replayer"].append(replayed)
+            samples["program"].append(timed_refill())
     x.grad = None
     t = {label: statistics.median(values) for label, values in samples.items()}
     # A checkpointed chain of n ops recomputes n - 1 of them: the last op's saved input is its last pack.
@@ -113,6 +138,7 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
         copy_per_byte=t["copy"] / copy_bytes,
         link_bytes_per_s=_link_bandwidth(block, copy_clock, rounds),
+        program_op=t["program"] / (ops - 1),  # the chain's last op saves nothing the refill needs
     )
 
 

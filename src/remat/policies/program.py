@@ -206,6 +206,15 @@ class _ProgramWriter:
         self.outside = []
 
 
+def _calls_needed(program: _Program, wanted: Sequence[int], kept: Any) -> set[tuple[int, int]]:
+    """The (op id, call) of every step a refill of ``wanted`` runs, the calls in ``kept`` served."""
+    found = plan(program, wanted, lambda step: (id(step.op), step.call) in kept)
+    if found is None:
+        return {(id(step.op), step.call) for step in program.steps}  # the Python rerun may run any
+    order, served, _ = found
+    return {(id(program.steps[n].op), program.steps[n].call) for n in order if n not in served}
+
+
 def _owner(t: torch.Tensor, modules: Sequence[torch.nn.Module]) -> tuple[int, str, str] | None:
     """The first module call whose module holds ``t`` as a parameter or buffer: (call, dict, name)."""
     for number, module in enumerate(modules):

@@ -29,8 +29,10 @@ with ``tapes(False)``.
 Tapes are used for :class:`~remat.policies.Policy` objects (op and call rules: pure functions of the op and
 its call index) without name rules.  A region keeps the dispatch mode on every call where its policy keeps an
 in-place random draw (dropout's mask on CPU, kept by value), or where a kept output that no saved
-tensor and no module output reaches comes before the replay's end (following the tape, the replay would rerun
-an op the recording serves).  One past that end is never read in backward: following the tape, it is not held.
+tensor and no module output reaches is one the replay needs (following the tape, the replay would rerun an op
+the recording serves): one that a dropped saved tensor depends on, per the region's program
+(:mod:`.program`), or, for a region without one, any before the replay's end.  Any other is never read in
+backward: following the tape, it is not held (a policy keeping every output keeps what autograd saves).
 The planner never keeps such outputs (:attr:`~remat.planning.opgraph.BlockGraph.keepable`), so the policies of
 a plan always follow their tapes.
 
@@ -53,7 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .decisions import _RANDOM_WRITE, _VIEW_OR_INPLACE, _traits
 from .kept import _Draw, _keep, _Kept, _KeptOutputs, _settle
-from .program import _Program, _ProgramWriter, state_matches
+from .program import _calls_needed, _Program, _ProgramWriter, state_matches
 
 __all__ = ["tapes"]
 
@@ -292,6 +294,7 @@ class _Learner:
                 modules[number] = wanted
                 reached.update((id(s.op), s.call, s.leaf) for _, s in wanted)
         outputs = {}
+        uncaptured = []
         for slot in store.slots.values():
             for call, kept in slot.kept.items():
                 if isinstance(kept, _Draw):
@@ -301,16 +304,26 @@ class _Learner:
                 leaves, spec = tree_flatten(kept.structure if isinstance(kept, _KeptOutputs) else kept)
                 placed = [self._placed((id(slot.op), call, leaf), item, reached) for leaf, item in enumerate(leaves)]
                 if any(item is None for item in placed):
-                    # Neither saved nor a module's output: the follower cannot capture it.  The replay would
-                    # then run an op the recording serves (time, and bytes the plan counts, would differ).
+                    # Neither saved nor a module's output: the follower cannot capture it.
                     if self.position.get((id(slot.op), call), 0) < self.replay_end:
-                        return self._refuse()
+                        uncaptured.append((id(slot.op), call))
                     continue
                 offloaded = any(k.offloaded for k in kept.tensors())
                 outputs[(id(slot.op), call)] = (spec, placed, offloaded)
-        slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
         program = self.program.finish(self.modules)
+        if uncaptured and (program is None or set(uncaptured) & _calls_needed(program, self._dropped(packs), outputs)):
+            # The replay would run an op the recording serves (time, and bytes the plan counts, would differ).
+            # The Python rerun may, where it runs before the replay's end; a program only where a dropped saved
+            # tensor needs it.
+            return self._refuse()
+        slots = [(slot.op, slot.action, slot.calls) for slot in store.slots.values()]
         self._file(_Tape(packs, modules, slots, outputs, program, self.program.refused))
+
+    @staticmethod
+    def _dropped(packs: list[tuple[torch.Size, torch.dtype, int, Any]]) -> list[int]:
+        """The saved tensors a follower does not hold (refilled by the replay)."""
+        return [i for i, (*_, source) in enumerate(packs)
+                if source is None or isinstance(source, _Source) and source.offloaded]
 
     @staticmethod
     def _placed(where: tuple[int, int, int], item: Any, reached: set) -> Any:
