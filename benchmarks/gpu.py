@@ -269,6 +269,16 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mo
     def around(key: str, label: str, context: Callable[[], Any]) -> Mode:
         return Mode(key, label, lambda: work.step(context=context))
 
+    def rerun(key: str, label: str, fn: Callable[..., Any]) -> Mode:
+        """Layers through ``fn``, following their tapes but rerunning their Python code in backward instead of
+        refilling from their programs (the A/B of remat.policies.program)."""
+        @contextlib.contextmanager
+        def installed() -> Any:
+            with _layers_through(model, fn), remat.policies.tapes(True, programs=False):
+                yield
+
+        return Mode(key, label, work.step, installed)
+
     modes = [
         Mode("plain", "plain", work.step),
         through("torch-ckpt", "torch checkpoint, every layer",
@@ -277,6 +287,8 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mo
                 functools.partial(remat.checkpoint, use_reentrant=False)),
         through("torch-sac", "torch SAC, torchtitan's save list (mm, SDPA)", _torch_sac(_save_listed)),
         through("remat-save-matmuls", "remat save_matmuls", functools.partial(
+            remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
+        rerun("remat-save-matmuls-rerun", "remat save_matmuls, Python rerun (no program)", functools.partial(
             remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
         through("torch-save-all", "torch SAC saving every op", _torch_sac(_save_every_op)),
         through("remat-save-all", "remat policy saving every op", _remat_policy(_save_every_op, "save every op")),
@@ -355,7 +367,8 @@ def _decision_counts(plan: remat.Plan) -> str:
     return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "torch-save-all",
+EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "remat-save-matmuls-rerun",
+              "torch-save-all",
               "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
               "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS)]
 COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",

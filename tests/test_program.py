@@ -325,3 +325,47 @@ def test_a_kept_output_no_tape_can_capture_refuses_the_tape_where_a_dropped_tens
     _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x, w])
     (entry,) = _books[policy].tapes.values()
     assert entry[1] is None  # recorded on every call, as the policy asks
+
+
+class _Opaque(torch.autograd.Function):
+    """Fills its output the way a Triton or extension kernel does: with no aten op for the program to see."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.zeros_like(x)
+        out.numpy()[:] = x.detach().numpy() ** 2
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * x
+
+
+def _opaque_function(w):
+    def fn(t):
+        return _Opaque.apply(t @ w).sin()  # sin saves what only the opaque write made
+    return fn
+
+
+def _opaque_buffer(w):
+    def fn(t):
+        h = (t @ w).sin()
+        buffer = torch.empty_like(h)
+        buffer.numpy()[:] = 2.0
+        return (h * buffer).cos()  # saves the buffer, which only the opaque write filled
+    return fn
+
+
+@pytest.mark.parametrize(("make", "why"), [(_opaque_function, "custom autograd.Function"),
+                                           (_opaque_buffer, "empty-like op is read")])
+def test_what_no_aten_op_shows_gets_no_program(runs, make, why):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+    fn, policy = make(w), _keep(MM)
+    _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x, w])
+    (entry,) = _books[policy].tapes.values()
+    assert entry[1].program is None and why in entry[1].no_program
+    assert runs == []

@@ -67,6 +67,8 @@ class _Placeholder:
 class _InputSaver(torch.autograd.Function):
     """A no-op node that keeps the region's tensor inputs as saved tensors."""
 
+    _remat_internal = True  # runs no kernel of its own (what a selective region's program checks for)
+
     @staticmethod
     def forward(ctx, anchor, *tensors):
         ctx.save_for_backward(*tensors)

@@ -23,6 +23,9 @@ from that rerun:
 - a tensor argument comes from neither an earlier op nor an input, and is neither a parameter or buffer of
   a module the region calls nor saved by autograd (a tensor from a closure or a global that only feeds an
   addition, say: the follower could not tell whether a later call reads another one);
+- a custom ``autograd.Function`` runs in the region (its kernels may be Triton or an extension's, which
+  write what no aten op shows), or a tensor made by ``empty`` and friends is read (something the program
+  cannot see filled it);
 - a tensor is a subclass, on the meta device, or functorch transforms are active.
 
 Random ops rerun as the Python rerun does them: the RNG is put where it was when the region started, and
@@ -60,6 +63,11 @@ _STEP, _INPUT, _STATE = 0, 1, 2
 Ref = tuple[int, int, int]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_UNINITIALIZED = frozenset(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name, overload in [("empty", "memory_format"), ("empty_like", "default"), ("empty_strided", "default"),
+                           ("new_empty", "default"), ("new_empty_strided", "default"), ("empty_permuted", "default")]
+    if hasattr(torch.ops.aten, name) and hasattr(getattr(torch.ops.aten, name), overload))
 _AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 for _name in dir(torch._C.DispatchKey):
     if _name.startswith("Autocast"):
@@ -104,6 +112,9 @@ class _ProgramWriter:
         self.outside: list[torch.Tensor] = []  # strong only while forward runs
         self.outside_index: dict[int, int] = {}
         self.saved_state: dict[int, int] = {}
+        self.uninitialized: set[int] = set()  # steps that allocate without writing
+        self.grad_fns: list[Any] = []  # of the saved tensors: the autograd nodes the region made lead to them
+        self.first_node = _next_node_number()
         self.refused: str | None = None
         if torch._C._are_functorch_transforms_active():
             self.refused = "functorch transforms are active"
@@ -134,6 +145,8 @@ class _ProgramWriter:
                     return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
                 self.refs[_key(t)] = (_STEP, index, leaf)
         random = torch.Tag.nondeterministic_seeded in op.tags
+        if op in _UNINITIALIZED:
+            self.uninitialized.add(index)
         self.steps.append(_Step(op, tuple(args), kwargs, tuple(fills), call, random))
 
     def pack(self, t: torch.Tensor) -> None:
@@ -143,9 +156,16 @@ class _ProgramWriter:
             if ref[0] == _STATE:
                 self.saved_state[len(self.packs)] = ref[1]
             self.packs.append(ref)
+            if t.grad_fn is not None:
+                self.grad_fns.append(t.grad_fn)
 
     def finish(self, modules: Sequence[torch.nn.Module]) -> _Program | None:
         """Forward ended; ``modules`` are the modules it called, in the order their forwards returned."""
+        if self.refused is None and self._reads_uninitialized():
+            self._refuse("a tensor made by an empty-like op is read: a kernel no aten op shows filled it")
+        if self.refused is None and self._custom_function():
+            self._refuse("a custom autograd.Function ran: its kernels may write what no aten op shows")
+        self.grad_fns = []
         if self.refused is not None:
             return None
         checks: dict[int, list[tuple[str, str, int]]] = {}
@@ -167,6 +187,25 @@ class _ProgramWriter:
                 last = number
         state = [weakref.ref(t) for t in self.outside]
         return _Program(self.steps, self.packs, state, checks, self.saved_state, previous_draw)
+
+    def _reads_uninitialized(self) -> bool:
+        refs = [ref for step in self.steps for _, ref in step.fills] + self.packs
+        return any(kind == _STEP and where in self.uninitialized for kind, where, _ in refs)
+
+    def _custom_function(self) -> bool:
+        """Whether a node of a custom ``autograd.Function`` (other than remat's own input saver) made in the
+        region leads to a saved tensor."""
+        seen, stack = set(), list(self.grad_fns)
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen or node._sequence_nr() < self.first_node:
+                continue
+            seen.add(id(node))
+            if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
+                    node._forward_cls, "_remat_internal", False):
+                return True
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return False
 
     def _template(self, container: Any, positions: Any, fills: list) -> Any:
         for position in positions:
@@ -213,6 +252,12 @@ def _calls_needed(program: _Program, wanted: Sequence[int], kept: Any) -> set[tu
         return {(id(step.op), step.call) for step in program.steps}  # the Python rerun may run any
     order, served, _ = found
     return {(id(program.steps[n].op), program.steps[n].call) for n in order if n not in served}
+
+
+def _next_node_number() -> int:
+    """The sequence number the next autograd node made on this thread gets (a probe node takes one)."""
+    with torch._C._DisableTorchDispatch(), torch.enable_grad():
+        return torch.ones((), requires_grad=True).neg().grad_fn._sequence_nr() + 1
 
 
 def _owner(t: torch.Tensor, modules: Sequence[torch.nn.Module]) -> tuple[int, str, str] | None:
