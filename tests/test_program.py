@@ -5,7 +5,10 @@ Every test compares gradients bitwise with plain autograd over several calls: th
 program cannot be trusted, by the usual rerun of the region.
 """
 
+import ctypes
+import dataclasses
 import functools
+import weakref
 
 import pytest
 import torch
@@ -327,13 +330,20 @@ def test_a_kept_output_no_tape_can_capture_refuses_the_tape_where_a_dropped_tens
     assert entry[1] is None  # recorded on every call, as the policy asks
 
 
+def _write_unseen(target, source):
+    """Copy ``source`` into ``target`` the way a Triton or extension kernel writes: straight to memory, with no
+    aten op, nor a Python read of a tensor's data, for the recording to see."""
+    nbytes = target.numel() * target.element_size()
+    ctypes.memmove(target.untyped_storage().data_ptr(), source.contiguous().untyped_storage().data_ptr(), nbytes)
+
+
 class _Opaque(torch.autograd.Function):
-    """Fills its output the way a Triton or extension kernel does: with no aten op for the program to see."""
+    """Squares its input into a buffer with a write no aten op shows."""
 
     @staticmethod
     def forward(ctx, x):
         out = torch.zeros_like(x)
-        out.numpy()[:] = x.detach().numpy() ** 2
+        _write_unseen(out, x.detach() ** 2)
         ctx.save_for_backward(x)
         return out
 
@@ -353,13 +363,22 @@ def _opaque_buffer(w):
     def fn(t):
         h = (t @ w).sin()
         buffer = torch.empty_like(h)
-        buffer.numpy()[:] = 2.0
+        _write_unseen(buffer, torch.full_like(h, 2.0))
         return (h * buffer).cos()  # saves the buffer, which only the opaque write filled
     return fn
 
 
+def _python_read(w):
+    def fn(t):
+        h = (t @ w).sin()
+        scale = max(h.detach().flatten().tolist())  # a number later ops take as a constant
+        return h.cos() * scale
+    return fn
+
+
 @pytest.mark.parametrize(("make", "why"), [(_opaque_function, "custom autograd.Function"),
-                                           (_opaque_buffer, "empty-like op is read")])
+                                           (_opaque_buffer, "empty-like op is read"),
+                                           (_python_read, "Python reads a tensor's data (tolist)")])
 def test_what_no_aten_op_shows_gets_no_program(runs, make, why):
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)
@@ -369,3 +388,88 @@ def test_what_no_aten_op_shows_gets_no_program(runs, make, why):
     (entry,) = _books[policy].tapes.values()
     assert entry[1].program is None and why in entry[1].no_program
     assert runs == []
+
+
+def test_inputs_that_share_memory_when_recorded_get_no_program(runs):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+    def fn(a, b):
+        return ((a.sin() @ w) * b).cos()  # the sine of a is dropped and rebuilt from a
+
+    policy = _keep(MM)
+    for a, b in [(x, x), (x, y), (y, x)]:
+        expected = torch.autograd.grad(fn(a, b).sum(), [x, y, w], allow_unused=True)
+        got = torch.autograd.grad(remat.checkpoint(fn, a, b, policy=policy).sum(), [x, y, w], allow_unused=True)
+        assert_bitwise(expected, got)
+    (entry,) = _books[policy].tapes.values()
+    assert "two inputs share memory" in entry[1].no_program and runs == []
+
+
+def test_a_region_that_sets_the_rng_gets_no_program(runs):
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(8, 8, requires_grad=True)
+
+    def fn(t):
+        h = (t @ w).sin()
+        torch.manual_seed(3)  # the Python rerun seeds again; a program would draw on from the region's start
+        return h * torch.rand_like(h)
+
+    policy = _keep(MM)
+    _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x, w])
+    (entry,) = _books[policy].tapes.values()
+    assert "sets the RNG" in entry[1].no_program and runs == []
+
+
+def test_a_negative_view_is_told_from_its_base(runs):
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(t):
+        h = t * t
+        return (h.exp() * torch.ops.aten._neg_view(h).sin()).sum(-1)  # the view shares h's storage and strides
+
+    policy = _keep(set())
+    _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x])
+    assert len(runs) == 2
+
+
+def test_a_draw_rerun_for_the_rng_alone_is_let_go_at_once():
+    # Every draw reruns so the last one draws as in forward, but only the last one's output is needed:
+    # the others must not pile up (the Python rerun frees each as it goes).
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def fn(t):
+        h = t
+        for _ in range(6):
+            h = (h + torch.randn_like(h)).sigmoid()  # kept: it saves its own output
+        return (h * torch.rand_like(h)).sin()
+
+    policy = _keep({torch.ops.aten.sigmoid.default})
+    held = []
+    real = selective_module.run
+
+    def watching(program, order, served, *args):
+        for number in order:
+            step = program.steps[number]
+            if step.random:
+                op = step.op
+
+                def counted(*a, op=op, **k):
+                    held.append(sum(t.numel() == 64 * 64 for t in live))
+                    out = op(*a, **k)
+                    live.add(out)
+                    return out
+
+                program.steps[number] = dataclasses.replace(step, op=counted)
+        return real(program, order, served, *args)
+
+    live = weakref.WeakSet()
+    selective_module.run = watching
+    try:
+        _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x], count=2)
+    finally:
+        selective_module.run = real
+    assert len(held) == 7 and max(held) <= 1  # no earlier draw is alive when the next one runs

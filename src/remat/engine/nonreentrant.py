@@ -72,7 +72,7 @@ class _InputSaver(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, *tensors):
         ctx.save_for_backward(*tensors)
-        return anchor.new_empty(0)
+        return torch.empty(0)  # not from the anchor: an op reading it would be a tensor from outside a region
 
     @staticmethod
     def backward(ctx, *grads):

@@ -19,7 +19,9 @@ A region gets no program (its replay reruns the Python forward, as before) where
 from that rerun:
 
 - an op writes to its input (in-place or ``out=``): its value would depend on what ran before;
-- an op returns a Python value (``.item()``): later ops were given that value as a constant;
+- an op returns a Python value (``.item()``), or Python reads a tensor's data (``tolist``, ``numpy``,
+  ``__array__``, ``__dlpack__``, ``data_ptr``): later ops were given what it read as a constant, or a
+  kernel the program cannot see wrote there;
 - a tensor argument comes from neither an earlier op nor an input, and is neither a parameter or buffer of
   a module the region calls nor saved by autograd (a tensor from a closure or a global that only feeds an
   addition, say: the follower could not tell whether a later call reads another one);
@@ -54,6 +56,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 __all__: list[str] = []
@@ -99,14 +103,18 @@ class _Program:
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return t.device, t.untyped_storage().data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype
+    return (t.device, t.untyped_storage().data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
+            t.is_conj(), t.is_neg())
 
 
 class _ProgramWriter:
     """Writes the program of one recorded forward, or the reason it cannot have one."""
 
     def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
-        self.refs: dict[tuple, Ref] = {}
+        # tensor key -> where it comes from, and its storage (a freed address may be taken by a tensor made
+        # outside any op: ``torch.tensor(...)``)
+        self.refs: dict[tuple, tuple[Ref, StorageWeakRef]] = {}
+        self.inputs = list(inputs)  # strong only while forward runs
         self.steps: list[_Step] = []
         self.packs: list[Ref] = []
         self.outside: list[torch.Tensor] = []  # strong only while forward runs
@@ -115,12 +123,16 @@ class _ProgramWriter:
         self.uninitialized: set[int] = set()  # steps that allocate without writing
         self.grad_fns: list[Any] = []  # of the saved tensors: the autograd nodes the region made lead to them
         self.first_node = _next_node_number()
+        self.rng = _RngWatch()
         self.refused: str | None = None
         if torch._C._are_functorch_transforms_active():
             self.refused = "functorch transforms are active"
+        storages = [(t.device, t.untyped_storage().data_ptr()) for t in inputs if t.untyped_storage().nbytes()]
+        if len(set(storages)) < len(storages):
+            self.refused = "two inputs share memory (a later call may pass tensors that do not)"
         for position, t in enumerate(inputs):
             if self._plain(t):
-                self.refs[_key(t)] = (_INPUT, position, 0)
+                self._register(t, (_INPUT, position, 0))
 
     def step(self, op: Any, args: tuple, kwargs: dict, out: Any, call: int | None) -> None:
         """An op ran under the recording mode."""
@@ -130,6 +142,9 @@ class _ProgramWriter:
             return self._refuse(f"{op} is not an ATen operator")
         if op._schema.is_mutable:
             return self._refuse(f"{op} writes to its input")
+        random = torch.Tag.nondeterministic_seeded in op.tags
+        if random:
+            self.rng.drew(args, kwargs)
         fills: list[tuple[Any, Ref]] = []
         args = self._template(list(args), range(len(args)), fills)
         kwargs = self._template(dict(kwargs), list(kwargs), fills)
@@ -143,11 +158,21 @@ class _ProgramWriter:
             if isinstance(t, torch.Tensor):
                 if not self._plain(t):
                     return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
-                self.refs[_key(t)] = (_STEP, index, leaf)
-        random = torch.Tag.nondeterministic_seeded in op.tags
+                self._register(t, (_STEP, index, leaf))
         if op in _UNINITIALIZED:
             self.uninitialized.add(index)
         self.steps.append(_Step(op, tuple(args), kwargs, tuple(fills), call, random))
+
+    def watching(self) -> TorchFunctionMode:
+        """The mode to run the recording forward under: it sees Python read a tensor's data."""
+        return _DataReads(self)
+
+    def before_draw(self, op: Any, args: tuple, kwargs: dict) -> None:
+        """A random op is about to run: the program replays it only where it draws on from the last draw."""
+        if self.refused is None:
+            why = self.rng.check(op, args, kwargs)
+            if why is not None:
+                self._refuse(why)
 
     def pack(self, t: torch.Tensor) -> None:
         """Autograd saved ``t`` (the pack hook's next index)."""
@@ -165,7 +190,7 @@ class _ProgramWriter:
             self._refuse("a tensor made by an empty-like op is read: a kernel no aten op shows filled it")
         if self.refused is None and self._custom_function():
             self._refuse("a custom autograd.Function ran: its kernels may write what no aten op shows")
-        self.grad_fns = []
+        self.grad_fns, self.inputs, self.rng = [], [], None
         if self.refused is not None:
             return None
         checks: dict[int, list[tuple[str, str, int]]] = {}
@@ -225,15 +250,22 @@ class _ProgramWriter:
         if not self._plain(t):
             self._refuse(f"a {type(t).__name__} on {t.device} is an argument")
             return (_STATE, -1, 0)
-        key = _key(t)
-        ref = self.refs.get(key)
-        if ref is None:
-            index = self.outside_index.get(id(t))
-            if index is None:
-                index = self.outside_index[id(t)] = len(self.outside)
-                self.outside.append(t)
-            ref = self.refs[key] = (_STATE, index, 0)
+        entry = self.refs.get(_key(t))
+        if entry is not None and not entry[1].expired():
+            ref = entry[0]
+            if ref[0] == _INPUT and t is not self.inputs[ref[1]]:
+                self._refuse("a tensor from outside aliases a region input (a later call may pass another)")
+            return ref
+        index = self.outside_index.get(id(t))
+        if index is None:
+            index = self.outside_index[id(t)] = len(self.outside)
+            self.outside.append(t)
+        ref = (_STATE, index, 0)
+        self._register(t, ref)
         return ref
+
+    def _register(self, t: torch.Tensor, ref: Ref) -> None:
+        self.refs[_key(t)] = (ref, StorageWeakRef(t.untyped_storage()))
 
     @staticmethod
     def _plain(t: torch.Tensor) -> bool:
@@ -242,7 +274,7 @@ class _ProgramWriter:
     def _refuse(self, why: str) -> None:
         if self.refused is None:
             self.refused = why
-        self.outside = []
+        self.outside, self.inputs = [], []
 
 
 def _calls_needed(program: _Program, wanted: Sequence[int], kept: Any) -> set[tuple[int, int]]:
@@ -252,6 +284,64 @@ def _calls_needed(program: _Program, wanted: Sequence[int], kept: Any) -> set[tu
         return {(id(step.op), step.call) for step in program.steps}  # the Python rerun may run any
     order, served, _ = found
     return {(id(program.steps[n].op), program.steps[n].call) for n in order if n not in served}
+
+
+_DATA_READS = frozenset(getattr(torch.Tensor, name) for name in
+                        ("tolist", "numpy", "__array__", "__dlpack__", "data_ptr") if hasattr(torch.Tensor, name))
+
+
+class _DataReads(TorchFunctionMode):
+    """While recording: refuses the program where Python reads a tensor's data (no aten op shows it)."""
+
+    def __init__(self, writer: _ProgramWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DATA_READS:
+            self.writer._refuse(f"Python reads a tensor's data ({func.__name__}): what it read, or what a kernel "
+                                "wrote there, is no op the program can rerun")
+        return func(*args, **(kwargs or {}))
+
+
+class _RngWatch:
+    """While recording: whether each random op draws on from where the one before it left its generator
+    (nothing in the region seeds or sets it), from the state the region started with for the first."""
+
+    def __init__(self) -> None:
+        self.last: dict[Any, torch.Tensor] = {}  # generator -> its state after the last draw (or at the start)
+        self.last[torch.default_generator] = torch.default_generator.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for generator in torch.cuda.default_generators:
+                self.last[generator] = generator.get_state()
+
+    def check(self, op: Any, args: tuple, kwargs: dict) -> str | None:
+        generator = self._generator(args, kwargs)
+        if generator is None:
+            return f"{op} draws from a generator the replay does not restore"
+        before = self.last.get(generator)
+        if before is None or not torch.equal(before, generator.get_state()):
+            return f"the region sets the RNG before {op} draws"
+        return None
+
+    def drew(self, args: tuple, kwargs: dict) -> None:
+        generator = self._generator(args, kwargs)
+        if generator is not None:
+            self.last[generator] = generator.get_state()
+
+    @staticmethod
+    def _generator(args: tuple, kwargs: dict) -> Any:
+        """The default generator a random op draws from; None for an explicit one or another device's."""
+        if kwargs.get("generator") is not None:
+            return None
+        tensor = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+        device = tensor.device if tensor is not None else torch.device(kwargs.get("device") or "cpu")
+        if device.type == "cpu":
+            return torch.default_generator
+        if device.type == "cuda":
+            return torch.cuda.default_generators[device.index if device.index is not None else
+                                                 torch.cuda.current_device()]
+        return None
 
 
 def _next_node_number() -> int:
@@ -327,6 +417,12 @@ def run(program: _Program, order: list[int], served: set, wanted: Sequence[int],
             for _, (kind, where, _) in steps[number].fills:
                 if kind == _STEP:
                     last_use[where] = number
+    read: dict[int, set[int]] = {}  # step -> its output leaves a later step reads
+    for number in order:
+        if number not in served:
+            for _, (kind, where, leaf) in steps[number].fills:
+                if kind == _STEP:
+                    read.setdefault(where, set()).add(leaf)
     result: list[Any] = [None] * count
     by_step: dict[int, list[tuple[int, int]]] = {}
     for index in wanted:
@@ -345,10 +441,12 @@ def run(program: _Program, order: list[int], served: set, wanted: Sequence[int],
                 args, kwargs = _arguments(step, values, inputs, program.state)
                 out = step.op(*args, **kwargs)
             flat = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-            values[number] = flat
             for index, leaf in by_step.get(number, ()):
                 value = flat[leaf]
                 result[index] = value.detach() if value.requires_grad else value
+            used = read.get(number)
+            if used:  # kept only until its last reader has run, and only the leaves read
+                values[number] = flat if len(flat) == 1 else [v if i in used else None for i, v in enumerate(flat)]
             if number not in served:
                 for _, (kind, where, _) in step.fills:
                     if kind == _STEP and last_use.get(where) == number:

@@ -293,6 +293,8 @@ class _Recorder(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        if self.learner is not None and _traits(op) & _RANDOM:
+            self.learner.before_draw(op, args, kwargs or {})
         out = op(*args, **kwargs) if kwargs else op(*args)
         store = self.store
         slot = store.slots.get(id(op))

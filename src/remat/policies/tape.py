@@ -200,17 +200,25 @@ class _Learner:
         self.packs: list[tuple[torch.Size, torch.dtype, int, Any]] = []
         self.module_outputs: list[list[tuple[int, _Source]]] = []
         self.hook: Any = None
+        self.reads: Any = None
 
     def enter(self) -> None:
         self.hook = register_module_forward_hook(self._module_output)
+        self.reads = self.program.watching()
+        self.reads.__enter__()
 
     def exit(self, failed: bool) -> None:
         self.hook.remove()
+        self.reads.__exit__(None, None, None)
         if not failed:
             self._write()
         # Autograd keeps the forward's pack hook, and with it this learner, as long as the graph lives.
         self.made, self.packs, self.module_outputs, self.position = {}, [], [], {}
         self.modules, self.program = [], None
+
+    def before_draw(self, op: Any, args: tuple, kwargs: dict) -> None:
+        """A random op is about to run under the recording mode."""
+        self.program.before_draw(op, args, kwargs)
 
     def ignored(self, op: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """An op no policy decides ran (a ``detach``): the program runs it all the same."""
