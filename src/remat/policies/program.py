@@ -411,17 +411,13 @@ def run(program: _Program, order: list[int], served: set, wanted: Sequence[int],
 
     Random ops draw from the RNG as the caller set it (where it was when the region started)."""
     steps, packs = program.steps, program.packs
-    last_use: dict[int, int] = {}
-    for number in order:
-        if number not in served:
-            for _, (kind, where, _) in steps[number].fills:
-                if kind == _STEP:
-                    last_use[where] = number
+    last_use: dict[int, int] = {}  # step -> the last step that reads its outputs
     read: dict[int, set[int]] = {}  # step -> its output leaves a later step reads
     for number in order:
         if number not in served:
             for _, (kind, where, leaf) in steps[number].fills:
                 if kind == _STEP:
+                    last_use[where] = number
                     read.setdefault(where, set()).add(leaf)
     result: list[Any] = [None] * count
     by_step: dict[int, list[tuple[int, int]]] = {}
