@@ -376,8 +376,28 @@ def _python_read(w):
     return fn
 
 
+def _no_grad_write(w):
+    def fn(t):
+        h = (t @ w).sin()
+        with torch.no_grad():  # an extension writing a buffer an op made (a histogram, an atomic add)
+            buffer = torch.zeros_like(h)
+            _write_unseen(buffer, h * 2)
+        return (h * buffer).cos()
+    return fn
+
+
+def _value_shaped(w):
+    def fn(t):
+        h = (t @ w).sin()
+        chosen = h[h > 0]  # as many as are positive: the view below takes that count as a constant
+        return (chosen.view(chosen.shape[0], 1) * 2).sin()
+    return fn
+
+
 @pytest.mark.parametrize(("make", "why"), [(_opaque_function, "custom autograd.Function"),
-                                           (_opaque_buffer, "empty-like op is read"),
+                                           (_no_grad_write, "with grad disabled"),
+                                           (_value_shaped, "shape depends on values"),
+                                           (_opaque_buffer, "empty-like op"),
                                            (_python_read, "Python reads a tensor's data (tolist)")])
 def test_what_no_aten_op_shows_gets_no_program(runs, make, why):
     torch.manual_seed(0)
@@ -473,3 +493,40 @@ def test_a_draw_rerun_for_the_rng_alone_is_let_go_at_once():
     finally:
         selective_module.run = real
     assert len(held) == 7 and max(held) <= 1  # no earlier draw is alive when the next one runs
+
+
+def test_two_outside_tensors_on_one_memory_are_checked_apart(runs):
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(8))
+            self.q = self.p.detach()  # a plain attribute on the parameter's memory
+
+        def forward(self, t):
+            return ((t @ w) * self.p * self.q).sin()
+
+    module, policy = Scaled(), _keep(MM)
+    for step in range(4):
+        if step == 2:
+            module.q = torch.randn(8)  # another tensor now: autograd saves it where the program read the old one
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        params = [x, w, module.p]
+        assert_bitwise(torch.autograd.grad(module(x).sum(), params),
+                       torch.autograd.grad(remat.checkpoint(module, x, policy=policy).sum(), params))
+    assert len(runs) == 1  # the second step; from the third on the follower sees another tensor saved
+
+
+def test_a_sparse_tensor_in_a_region_records_and_follows():
+    torch.manual_seed(0)
+    indices = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+    adjacency = torch.sparse_coo_tensor(indices, torch.ones(4), (4, 4), check_invariants=True).coalesce()
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(a, t):
+        return torch.sparse.mm(a, (t @ w).sin()).cos()
+
+    _steps(lambda: fn(adjacency, x), lambda: remat.checkpoint(fn, adjacency, x, policy=save_matmuls), [x, w])

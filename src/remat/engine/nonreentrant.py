@@ -96,10 +96,13 @@ def _identity(x: Any) -> Any:
 _python_dispatch_off = torch._C._DisableTorchDispatch
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _detached(t: torch.Tensor) -> torch.Tensor:
-    if type(t) is torch.Tensor:
-        # A plain tensor's detach needs no dispatch mode: under a selective policy's
-        # replay mode it would otherwise cost a trip through Python per saved tensor.
+    if type(t) in _PLAIN:
+        # A plain tensor's detach needs no dispatch mode: under a selective policy's modes it would otherwise
+        # cost a trip through Python per saved tensor (and be recorded as one of the region's ops).
         with _python_dispatch_off():
             return t.detach()
     return t.detach()  # a subclass keeps its own detach

@@ -26,8 +26,11 @@ from that rerun:
   a module the region calls nor saved by autograd (a tensor from a closure or a global that only feeds an
   addition, say: the follower could not tell whether a later call reads another one);
 - a custom ``autograd.Function`` runs in the region (its kernels may be Triton or an extension's, which
-  write what no aten op shows), or a tensor made by ``empty`` and friends is read (something the program
-  cannot see filled it);
+  write what no aten op shows), a tensor made by ``empty`` and friends is read (something the program
+  cannot see filled it), or a tensor made with grad disabled is read (a custom Function's forward, or a
+  ``no_grad`` block: where extensions write buffers);
+- an op's output shape depends on values (``nonzero``, a boolean mask): later ops took its shape as a
+  constant;
 - a tensor is a subclass, on the meta device, or functorch transforms are active.
 
 Random ops rerun as the Python rerun does them: the RNG is put where it was when the region started, and
@@ -37,8 +40,10 @@ forward called held another parameter or buffer under the name the program reads
 another tensor than the one the program reads from outside (both checked by identity in forward: after
 swapping adapters, say).
 
-The one thing a program cannot see is a Python number that changes between calls with inputs alike (a
-scale annealed by a global counter): the program reruns the op with the number of the recorded forward.
+What a program cannot see: a Python number that changes between calls with inputs alike (a scale
+annealed by a global counter), which the program reruns with the number of the recorded forward; and a
+kernel no aten op shows writing, with grad enabled and outside any custom Function, into a tensor an op
+made.
 Run such a region with ``remat.policies.tapes(True, programs=False)``, and one that branches on values
 with ``tapes(False)``.
 
@@ -67,6 +72,7 @@ _STEP, _INPUT, _STATE = 0, 1, 2
 Ref = tuple[int, int, int]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_MASKS = (torch.bool, torch.uint8)
 _UNINITIALIZED = frozenset(
     getattr(getattr(torch.ops.aten, name), overload)
     for name, overload in [("empty", "memory_format"), ("empty_like", "default"), ("empty_strided", "default"),
@@ -120,13 +126,16 @@ class _ProgramWriter:
         self.outside: list[torch.Tensor] = []  # strong only while forward runs
         self.outside_index: dict[int, int] = {}
         self.saved_state: dict[int, int] = {}
-        self.uninitialized: set[int] = set()  # steps that allocate without writing
+        self.uninitialized: set[int] = set()  # steps that allocate without writing, or run with grad disabled
         self.grad_fns: list[Any] = []  # of the saved tensors: the autograd nodes the region made lead to them
         self.first_node = _next_node_number()
         self.rng = _RngWatch()
         self.refused: str | None = None
         if torch._C._are_functorch_transforms_active():
             self.refused = "functorch transforms are active"
+        if not all(self._plain(t) for t in inputs):
+            self.refused = "an input is a sparse tensor, a tensor subclass or on the meta device"
+            return
         storages = [(t.device, t.untyped_storage().data_ptr()) for t in inputs if t.untyped_storage().nbytes()]
         if len(set(storages)) < len(storages):
             self.refused = "two inputs share memory (a later call may pass tensors that do not)"
@@ -142,6 +151,9 @@ class _ProgramWriter:
             return self._refuse(f"{op} is not an ATen operator")
         if op._schema.is_mutable:
             return self._refuse(f"{op} writes to its input")
+        if torch.Tag.dynamic_output_shape in op.tags and (op is not torch.ops.aten.index.Tensor or any(
+                isinstance(i, torch.Tensor) and i.dtype in _MASKS for i in args[1])):
+            return self._refuse(f"{op}'s output shape depends on values: later ops took it as a constant")
         random = torch.Tag.nondeterministic_seeded in op.tags
         if random:
             self.rng.drew(args, kwargs)
@@ -159,7 +171,7 @@ class _ProgramWriter:
                 if not self._plain(t):
                     return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
                 self._register(t, (_STEP, index, leaf))
-        if op in _UNINITIALIZED:
+        if op in _UNINITIALIZED or not torch.is_grad_enabled():
             self.uninitialized.add(index)
         self.steps.append(_Step(op, tuple(args), kwargs, tuple(fills), call, random))
 
@@ -186,10 +198,11 @@ class _ProgramWriter:
 
     def finish(self, modules: Sequence[torch.nn.Module]) -> _Program | None:
         """Forward ended; ``modules`` are the modules it called, in the order their forwards returned."""
-        if self.refused is None and self._reads_uninitialized():
-            self._refuse("a tensor made by an empty-like op is read: a kernel no aten op shows filled it")
         if self.refused is None and self._custom_function():
             self._refuse("a custom autograd.Function ran: its kernels may write what no aten op shows")
+        if self.refused is None and self._reads_uninitialized():
+            self._refuse("a tensor made by an empty-like op, or with grad disabled, is read: a kernel no aten op "
+                         "shows may have written it")
         self.grad_fns, self.inputs, self.rng = [], [], None
         if self.refused is not None:
             return None
@@ -247,15 +260,23 @@ class _ProgramWriter:
         return container
 
     def _ref(self, t: torch.Tensor) -> Ref:
+        if self.refused is not None:
+            return (_STATE, -1, 0)
         if not self._plain(t):
             self._refuse(f"a {type(t).__name__} on {t.device} is an argument")
             return (_STATE, -1, 0)
         entry = self.refs.get(_key(t))
         if entry is not None and not entry[1].expired():
             ref = entry[0]
-            if ref[0] == _INPUT and t is not self.inputs[ref[1]]:
-                self._refuse("a tensor from outside aliases a region input (a later call may pass another)")
-            return ref
+            if ref[0] == _STEP:
+                return ref
+            if ref[0] == _INPUT:
+                if t is not self.inputs[ref[1]]:
+                    self._refuse("a tensor from outside aliases a region input (a later call may pass another)")
+                return ref
+            if t is self.outside[ref[1]]:
+                return ref
+            # another tensor from outside on the same memory: each is checked as itself
         index = self.outside_index.get(id(t))
         if index is None:
             index = self.outside_index[id(t)] = len(self.outside)
@@ -269,7 +290,7 @@ class _ProgramWriter:
 
     @staticmethod
     def _plain(t: torch.Tensor) -> bool:
-        return type(t) in _PLAIN_TYPES and t.device.type != "meta"
+        return type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.device.type != "meta"
 
     def _refuse(self, why: str) -> None:
         if self.refused is None:

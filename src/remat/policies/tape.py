@@ -239,19 +239,20 @@ class _Learner:
             self.drawn.add(_storage_key(out))
         if traits & _VIEW_OR_INPLACE:
             return  # its outputs alias its inputs (a parameter's transpose is the parameter's storage)
-        inputs = {_storage_key(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)}
+        inputs = {_storage_key(a) for a in tree_flatten(args)[0]
+                  if isinstance(a, torch.Tensor) and a.layout == torch.strided}
         self.position[(id(slot.op), call)] = self.ops_run
         leaves = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for leaf, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
                 if storage.nbytes() and key not in inputs:  # _unsafe_view returns its input's storage unannotated
                     self.made[key] = (storage.nbytes(), slot, call, leaf, _geometry(t))
 
     def _source(self, t: torch.Tensor) -> Any:
-        if t.device.type == "meta":
-            return None
+        if t.device.type == "meta" or t.layout != torch.strided:
+            return None  # no storage to tell apart: rebuilt by the replay
         key = _storage_key(t)
         if key in self.drawn:
             return None
@@ -319,7 +320,8 @@ class _Learner:
                 offloaded = any(k.offloaded for k in kept.tensors())
                 outputs[(id(slot.op), call)] = (spec, placed, offloaded)
         program = self.program.finish(self.modules)
-        if uncaptured and (program is None or set(uncaptured) & _calls_needed(program, self._dropped(packs), outputs)):
+        programs = _enabled[1] and program is not None
+        if uncaptured and (not programs or set(uncaptured) & _calls_needed(program, self._dropped(packs), outputs)):
             # The replay would run an op the recording serves (time, and bytes the plan counts, would differ).
             # The Python rerun may, where it runs before the replay's end; a program only where a dropped saved
             # tensor needs it.
