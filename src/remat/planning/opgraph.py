@@ -60,6 +60,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api.modules import ActivationWrapper
 from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
+from ..policies.program import _STEP, _ProgramWriter, plan
 from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import candidate_modules
@@ -126,6 +127,10 @@ class BlockGraph:
     estimated: bool
     overheads: Overheads
     asynchronous: bool = False
+    # Why a region of this block following its tape would rerun its Python code rather than its program
+    # (remat.policies.program; None: it has one), and the ops that program runs when nothing is kept.
+    no_program: str | None = "not recorded"
+    program_steps: tuple[int, ...] = ()
 
     @property
     def keep_all_bytes(self) -> int:
@@ -146,19 +151,13 @@ class BlockGraph:
     @property
     def runs_program(self) -> bool:
         """Whether a region of this block following its tape refills from its program
-        (:mod:`remat.policies.program`): no op writes in place or returns a Python value."""
-        return not any(n.writes or n.op == "aten._local_scalar_dense.default" for n in self.nodes)
+        (:mod:`remat.policies.program`), as the program written while profiling says."""
+        return self.no_program is None
 
     def program_rerun(self) -> list[int]:
-        """The ops a program reruns when nothing is kept: the makers of the storages autograd saves, the ops
-        they need, and the views and detaches of what those make (before :attr:`stop`)."""
-        needed = {s.producer for s in self.storages if s.saved and s.producer < self.stop}
-        for node in reversed(self.nodes[:self.stop]):
-            if node.index in needed:
-                needed.update(node.needs)
-        views = [n.index for n in self.nodes[:self.stop]
-                 if n.kind != "compute" and n.index not in needed and needed.intersection(n.needs)]
-        return sorted(needed.union(views))
+        """The ops the block's program reruns when nothing is kept (the random ops a needed draw follows
+        included), by node index."""
+        return list(self.program_steps)
 
     def copied_bytes(self, index: int) -> int:
         """Bytes keeping node ``index`` copies (forward, and back in recomputation): a random in-place op's value."""
@@ -241,6 +240,10 @@ class _BlockRecord:
         self.input_saved: set[int] = set()
         self.input_sizes: dict[int, int] = {}
         self.done = False
+        # The program a selective region of this block would get, written alongside (and the modules it calls).
+        self.program = _ProgramWriter(_tensors((args, kwargs)))
+        self.modules: list[nn.Module] = []
+        self.reads = self.program.watching()
         for t in _tensors((args, kwargs)):
             storage = t.untyped_storage()
             if storage not in self.owner:
@@ -302,6 +305,7 @@ class _Recorder(TorchDispatchMode):
         record = self.current
         if record is not None:
             record.packs += 1
+            record.program.pack(t)
             record.packs_needing_grad += t.requires_grad
             record.last_pack = record.ops
             where = record.owner.get(t.untyped_storage())
@@ -314,6 +318,7 @@ class _Recorder(TorchDispatchMode):
     def module_output(self, module: nn.Module, args: Any, output: Any) -> None:
         record = self.current
         if record is not None:
+            record.modules.append(module)
             for t in _tensors(output):
                 where = record.owner.get(t.untyped_storage())
                 if where is not None and where >= 0:
@@ -325,11 +330,14 @@ class _Recorder(TorchDispatchMode):
         if record is None:
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
+        if random:
+            record.program.before_draw(func, args, kwargs)
         out = func(*args, **kwargs)
         index = record.ops
         record.ops += 1
         call = record.calls.get(func, 0)
         record.calls[func] = call + 1
+        record.program.step(func, args, kwargs, out, call)
         needs, reads_input = set(), False
         for t in _tensors((args, kwargs)):
             where = record.owner.get(t.untyped_storage())
@@ -437,11 +445,20 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
                         n.reachable) for n in nodes],
                       storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
+    program = record.program.finish(record.modules)
+    rerun: tuple[int, ...] = ()
+    if program is not None:
+        # With nothing kept, every saved tensor the block made is dropped and rebuilt by the program.
+        dropped = [i for i, (kind, _, _) in enumerate(program.packs) if kind == _STEP]
+        found = plan(program, dropped, lambda step: False)
+        rerun = tuple(found[0]) if found is not None else ()
+    record.modules = []
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
         input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
         saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
         forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
+        no_program=record.program.refused, program_steps=rerun,
     )
 
 
@@ -511,11 +528,13 @@ def profile_ops(
         name = names[id(module)]
         if name not in records:  # later calls of a block reuse its first call's decisions
             recorder.current = records[name] = _BlockRecord(name, module, args, kwargs)
+            recorder.current.reads.__enter__()
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         record = recorder.current
         if record is not None and record.module is module:
             record.done = True
+            record.reads.__exit__(None, None, None)
             recorder.current = None
 
     handles = []
@@ -542,6 +561,8 @@ def profile_ops(
     finally:
         for handle in handles:
             handle.remove()
+        if recorder.current is not None:  # the forward raised inside a block
+            recorder.current.reads.__exit__(None, None, None)
     missing = [name for name, _ in blocks if name not in graphs]
     notes = [f"{', '.join(missing)} did not run in the forward; no graph"] if missing else []
     device = str(next(iter(tensors)).device) if tensors else "cpu"

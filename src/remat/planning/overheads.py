@@ -9,6 +9,7 @@ timed there (:class:`~remat.planning.timing.Clock`).  The price model
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..api.checkpoint import checkpoint
+from ..policies.tape import tapes
 from .blockpolicy import BlockPolicy, OpDecision
 from .timing import Clock
 
@@ -29,9 +31,10 @@ class Overheads:
     replay); ``per_saved``: per tensor autograd saves inside a region
     (placeholder, refill, unpack); ``policy_forward`` / ``policy_replay``: per
     op dispatched under a selective policy in forward / in recomputation;
-    ``program_op``: per op a region following its tape reruns from its program
-    (:mod:`remat.policies.program`: no dispatch mode, below autograd), the op's
-    dispatch included; ``copy_per_byte``: per byte of one copy on the model's device (a kept
+    ``program_op``: host seconds per op a region following its tape reruns from
+    its program (:mod:`remat.policies.program`: no dispatch mode, below autograd),
+    the op's dispatch (and launch, on an accelerator) included; 0 where no
+    program runs; ``copy_per_byte``: per byte of one copy on the model's device (a kept
     random in-place op is copied in forward and copied back in recomputation);
     ``link_bytes_per_s``: bytes per second between the device and pinned host
     memory, the slower way (0 where the device's memory is the host's: nothing
@@ -85,25 +88,29 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         times = clock.read()
         return times[middle] - times[start], times[end] - times[middle]
 
-    refills: list[tuple[Any, Any]] = []
+    refills: list[tuple[Any, Any, bool]] = []
+    on_device = torch.linspace(0.1, 1.0, 4, device=device, requires_grad=True)
 
     def timed_refill() -> float:
-        """One checkpointed step of the chain under the probe: recorded once, then following its tape, its
-        backward refilled from its program (the refill alone is timed)."""
+        """One checkpointed step of the chain on the model's device under the probe: recorded once, then
+        following its tape, its backward refilled from its program (the refill alone is timed, on the host's
+        clock: it is host work).  NaN where no program ran."""
         forward, recompute = probe.context_fn()
         refill = recompute.refill
 
         def timed(*args: Any) -> Any:
             start = clock.mark()
             out = refill(*args)
-            refills.append((start, clock.mark()))
+            refills.append((start, clock.mark(), out is not None))
             return out
 
         recompute.refill = timed
-        checkpoint(_chain, x, ops, context_fn=lambda: (forward, recompute)).sum().backward()
+        with tapes(True):  # whatever the caller chose for its own regions
+            y = checkpoint(_chain, on_device, ops, context_fn=lambda: (forward, recompute))
+        y.sum().backward()
         times = clock.read()
-        start, end = refills.pop()
-        return times[end] - times[start]
+        start, end, ran = refills.pop()
+        return times[end] - times[start] if ran else float("nan")
 
     timed_refill()  # records the tape
     steps: dict[str, Callable[[], Any]] = {
@@ -138,7 +145,8 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
         copy_per_byte=t["copy"] / copy_bytes,
         link_bytes_per_s=_link_bandwidth(block, copy_clock, rounds),
-        program_op=t["program"] / (ops - 1),  # the chain's last op saves nothing the refill needs
+        # The chain's last op saves nothing the refill needs; 0 where the device gets no program (meta).
+        program_op=0.0 if math.isnan(t["program"]) else t["program"] / (ops - 1),
     )
 
 

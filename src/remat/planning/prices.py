@@ -21,8 +21,9 @@ the device works through kernels queued before.  A rerun costs the larger of its
 (machinery included), not the sum of each op's larger share, which charged a Llama layer's 35 views as device
 time (+22% on an H100).  A selective replay adds host work only: its policy per op and a detach per rebuilt
 tensor that requires grad; where the region refills from its program (:mod:`remat.policies.program`), it
-runs only the ops the saved tensors need, at ``program_op`` of host time each, and keeping an op the
-program would not run spares nothing.  Its forward is priced as a region following its tape runs it, with no dispatch
+runs only the ops the saved tensors need (as the program written while profiling plans them), at
+``program_op`` of host time each, and keeping an op the program would not run, or a draw a later one
+reruns, spares nothing.  Its forward is priced as a region following its tape runs it, with no dispatch
 mode at all: the policies of plans always can (regions that cannot, such as those keeping an in-place random
 draw by value, are priced low).  Keeping op ``i`` spares its kernel: ``max(kernels − Σ gains, host)``.  On an H100
 Llama layer this gives checkpoint 2.31 ms (measured 2.30) and ``save_matmuls`` 1.7 ms (measured 1.42).
@@ -93,9 +94,11 @@ class BlockPrices:
                 self.device_time = kernels
             self.selective_time = max(self.device_time, self.host_floor)
             running = set(rerun)
+            # A kept draw still reruns where a later random op does (so that op draws as in forward).
+            last_draw = max((i for i in running if nodes[i].random), default=-1) if graph.runs_program else -1
             for i in graph.keepable:
-                spared = nodes[i].kernel_time if i in running else 0.0  # an op the program skips spares nothing
-                gain[i] = spared - copy * graph.copied_bytes(i)
+                spared = i in running and not (nodes[i].random and i < last_draw)  # else the program runs it anyway
+                gain[i] = (nodes[i].kernel_time if spared else 0.0) - copy * graph.copied_bytes(i)
         else:
             self.checkpoint_time = machinery + sum(n.wall_time for n in nodes[:stop])
             # The replay also dispatches the detach of every rebuilt tensor that requires grad.
