@@ -168,7 +168,9 @@ class BlockGraph:
         kind = "estimated" if self.estimated else "measured"
         lines = [f"{self.cls}: {len(self.nodes)} ops, recomputation runs {self.stop}; inputs "
                  f"{format_bytes(self.input_bytes)}, autograd keeps {format_bytes(self.keep_all_bytes)}; "
-                 f"forward {self.forward_time * 1e3:.2f} ms ({kind})",
+                 f"forward {self.forward_time * 1e3:.2f} ms ({kind}); "
+                 + (f"its program reruns {len(self.program_steps)} ops" if self.runs_program
+                    else f"no program: {self.no_program}"),
                  f"{'#':>4} {'op':<36} {'kind':<8} {'bytes':>10} {'saved':>10} {'kernel ms':>10}  needs"]
         for n in self.nodes:
             if n.kind == "ignored":
