@@ -111,7 +111,8 @@ def test_followed_tapes_refill_from_programs_bitwise(policy, monkeypatch):
 
     refills = []
     real = selective.run
-    monkeypatch.setattr(selective, "run", lambda *args: refills.append(args[1]) or real(*args))
+    monkeypatch.setattr(selective, "run",
+                        lambda program, plan, *rest: refills.append(plan) or real(program, plan, *rest))
     chosen = save_matmuls if policy == "save_matmuls" else Policy(
         op_rule=lambda op: remat.CheckpointPolicy.MUST_CPU_OFFLOAD if op in MATMULS else None)
     model = _blocks_wrapped(lambda block: remat.checkpoint_wrapper(block, policy=chosen))

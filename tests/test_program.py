@@ -28,9 +28,9 @@ def runs(monkeypatch):
     seen = []
     real = selective_module.run
 
-    def counting(program, order, served, *args):
-        seen.append(([n for n in order if n not in served], sorted(served)))
-        return real(program, order, served, *args)
+    def counting(program, plan, *args):
+        seen.append(([n for n in plan.order if n not in plan.served], sorted(plan.served)))
+        return real(program, plan, *args)
 
     monkeypatch.setattr(selective_module, "run", counting)
     return seen
@@ -279,8 +279,7 @@ def test_a_hugging_face_llama_layer_with_sdpa_runs_its_program_bitwise():
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     refills = []
     real = selective_module.run
-    selective_module.run = lambda program, order, served, *a: refills.append(len(order)) or real(
-        program, order, served, *a)
+    selective_module.run = lambda program, plan, *a: refills.append(len(plan.order)) or real(program, plan, *a)
     try:
         for step in range(3):
             expected = grads(lambda: reference(input_ids=ids, labels=ids).loss, list(reference.parameters()), step)
@@ -471,8 +470,8 @@ def test_a_draw_rerun_for_the_rng_alone_is_let_go_at_once():
     held = []
     real = selective_module.run
 
-    def watching(program, order, served, *args):
-        for number in order:
+    def watching(program, plan, *args):
+        for number in plan.order:
             step = program.steps[number]
             if step.random:
                 op = step.op
@@ -484,7 +483,7 @@ def test_a_draw_rerun_for_the_rng_alone_is_let_go_at_once():
                     return out
 
                 program.steps[number] = dataclasses.replace(step, op=counted)
-        return real(program, order, served, *args)
+        return real(program, plan, *args)
 
     live = weakref.WeakSet()
     selective_module.run = watching

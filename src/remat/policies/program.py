@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,21 @@ class _Program:
     checks: dict[int, list[tuple[str, str, int]]]  # module call -> (its dict, name, state index) to verify
     saved_state: dict[int, int]  # pack index -> state index of the tensor from outside autograd saves there
     previous_draw: list[int]  # per step, the random step before it (-1: none)
+    kept_steps: tuple[int, ...] = ()  # steps whose outputs the follower captures (served when kept)
+    schedules: dict[tuple, _Schedule] = field(default_factory=dict)  # by wanted packs and servable steps
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """How one refill runs (:func:`schedule`): the same for every backward that wants the same tensors."""
+
+    order: tuple[int, ...]  # the steps, in forward order
+    served: frozenset[int]
+    draws: bool  # whether a random op runs
+    kept_leaves: dict[int, frozenset[int]]  # step -> its output leaves a later step reads
+    frees: dict[int, tuple[int, ...]]  # step -> the steps whose outputs it reads last
+    results: dict[int, tuple[tuple[int, int], ...]]  # step -> (pack index, output leaf) it refills
+    direct: tuple[tuple[int, Ref], ...]  # (pack index, source) refilled from inputs or outside tensors
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -196,8 +211,9 @@ class _ProgramWriter:
             if t.grad_fn is not None:
                 self.grad_fns.append(t.grad_fn)
 
-    def finish(self, modules: Sequence[torch.nn.Module]) -> _Program | None:
-        """Forward ended; ``modules`` are the modules it called, in the order their forwards returned."""
+    def finish(self, modules: Sequence[torch.nn.Module], kept_calls: Any = ()) -> _Program | None:
+        """Forward ended; ``modules`` are the modules it called, in the order their forwards returned, and
+        ``kept_calls`` the (op id, call) whose outputs a follower captures."""
         if self.refused is None and self._custom_function():
             self._refuse("a custom autograd.Function ran: its kernels may write what no aten op shows")
         if self.refused is None and self._reads_uninitialized():
@@ -224,7 +240,8 @@ class _ProgramWriter:
             if step.random:
                 last = number
         state = [weakref.ref(t) for t in self.outside]
-        return _Program(self.steps, self.packs, state, checks, self.saved_state, previous_draw)
+        kept = tuple(n for n, step in enumerate(self.steps) if (id(step.op), step.call) in kept_calls)
+        return _Program(self.steps, self.packs, state, checks, self.saved_state, previous_draw, kept)
 
     def _reads_uninitialized(self) -> bool:
         refs = [ref for step in self.steps for _, ref in step.fills] + self.packs
@@ -390,10 +407,11 @@ def state_matches(program: _Program, number: int, module: torch.nn.Module) -> bo
     return True
 
 
-def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], bool]) -> tuple[list, set, bool] | None:
+def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], bool],
+         serve: Any = frozenset()) -> tuple[list, set, bool] | None:
     """The steps for the saved tensors ``wanted`` (in forward order), those of them to serve (``servable``
-    says which have a kept output to serve), and whether a random op runs; None where only the Python rerun
-    can refill them."""
+    says which have a kept output to serve, or they are in ``serve``, by step), and whether a random op runs;
+    None where only the Python rerun can refill them."""
     steps = program.steps
     needed = [False] * len(steps)
     for index in wanted:
@@ -408,7 +426,7 @@ def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], b
         if not needed[number]:
             continue
         step = steps[number]
-        if step.call is not None and servable(step):
+        if number in serve or step.call is not None and servable(step):
             if not (step.random and draws):
                 served.add(number)
                 continue
@@ -426,48 +444,78 @@ def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], b
     return [number for number, need in enumerate(needed) if need], served, draws
 
 
-def run(program: _Program, order: list[int], served: set, wanted: Sequence[int], count: int,
-        inputs: Sequence[torch.Tensor], serve: Callable[[_Step], Any]) -> list[Any]:
-    """Run ``order`` (from :func:`plan`); the refilled saved tensors, by pack index (None where not wanted).
+_SCHEDULES = 16  # kept per program (sets of wanted tensors and servable outputs)
 
-    Random ops draw from the RNG as the caller set it (where it was when the region started)."""
+
+def schedule(program: _Program, wanted: Sequence[int], servable: Sequence[bool]) -> _Schedule | None:
+    """How to refill ``wanted`` where ``servable`` says, per :attr:`_Program.kept_steps`, which kept outputs
+    can be served (computed once per such pair); None where only the Python rerun can."""
+    key = (tuple(wanted), tuple(servable))
+    found = program.schedules.get(key)
+    if found is not None:
+        return found
+    serve = {number for number, can in zip(program.kept_steps, servable) if can}
+    planned = plan(program, wanted, lambda step: False, serve)
+    if planned is None:
+        return None
+    order, served, draws = planned
     steps, packs = program.steps, program.packs
-    last_use: dict[int, int] = {}  # step -> the last step that reads its outputs
-    read: dict[int, set[int]] = {}  # step -> its output leaves a later step reads
+    last_use: dict[int, int] = {}
+    read: dict[int, set[int]] = {}
     for number in order:
         if number not in served:
             for _, (kind, where, leaf) in steps[number].fills:
                 if kind == _STEP:
                     last_use[where] = number
                     read.setdefault(where, set()).add(leaf)
-    result: list[Any] = [None] * count
-    by_step: dict[int, list[tuple[int, int]]] = {}
+    frees: dict[int, list[int]] = {}
+    for made, reader in last_use.items():
+        frees.setdefault(reader, []).append(made)
+    results: dict[int, list[tuple[int, int]]] = {}
+    direct = []
     for index in wanted:
-        kind, where, leaf = packs[index]
-        if kind == _STEP:
-            by_step.setdefault(where, []).append((index, leaf))
+        ref = packs[index]
+        if ref[0] == _STEP:
+            results.setdefault(ref[1], []).append((index, ref[2]))
         else:
-            result[index] = _value(kind, where, leaf, None, inputs, program.state).detach()
+            direct.append((index, ref))
+    found = _Schedule(tuple(order), frozenset(served), draws, {n: frozenset(leaves) for n, leaves in read.items()},
+                      {n: tuple(made) for n, made in frees.items()}, {n: tuple(r) for n, r in results.items()},
+                      tuple(direct))
+    if len(program.schedules) >= _SCHEDULES:
+        program.schedules.pop(next(iter(program.schedules)))
+    program.schedules[key] = found
+    return found
+
+
+def run(program: _Program, plan_: _Schedule, count: int, inputs: Sequence[torch.Tensor],
+        serve: Callable[[_Step], Any]) -> list[Any]:
+    """Run a :func:`schedule`; the refilled saved tensors, by pack index (None where not wanted).
+
+    Random ops draw from the RNG as the caller set it (where it was when the region started)."""
+    steps, state = program.steps, program.state
+    result: list[Any] = [None] * count
+    for index, (kind, where, leaf) in plan_.direct:
+        result[index] = _value(kind, where, leaf, None, inputs, state).detach()
     values: dict[int, list[Any]] = {}
+    served, kept_leaves, frees, results = plan_.served, plan_.kept_leaves, plan_.frees, plan_.results
     with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST), torch._C._AutoDispatchBelowADInplaceOrView():
-        for number in order:
+        for number in plan_.order:
             step = steps[number]
             if number in served:
                 out = serve(step)
             else:
-                args, kwargs = _arguments(step, values, inputs, program.state)
+                args, kwargs = _arguments(step, values, inputs, state)
                 out = step.op(*args, **kwargs)
             flat = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-            for index, leaf in by_step.get(number, ()):
+            for index, leaf in results.get(number, ()):
                 value = flat[leaf]
                 result[index] = value.detach() if value.requires_grad else value
-            used = read.get(number)
+            used = kept_leaves.get(number)
             if used:  # kept only until its last reader has run, and only the leaves read
                 values[number] = flat if len(flat) == 1 else [v if i in used else None for i, v in enumerate(flat)]
-            if number not in served:
-                for _, (kind, where, _) in step.fills:
-                    if kind == _STEP and last_use.get(where) == number:
-                        values.pop(where, None)
+            for made in frees.get(number, ()):
+                del values[made]
     return result
 
 

@@ -85,7 +85,7 @@ from .decisions import (
 )
 from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs, _prefetch, _settle, _unprefetch
 from .offload import OffloadStats
-from .program import _Program, _Step, plan, run
+from .program import _Program, _Step, run, schedule
 from .tape import _book_for, _Follower, _Learner, _region_key
 
 __all__ = ["create_selective_checkpoint_contexts"]
@@ -379,27 +379,27 @@ class _Replayer(TorchDispatchMode):
         store = self.store
         if store.follower is not None:
             store.materialize()
-        if store.program is None:
+        program = store.program
+        if program is None or any(ref() is None for ref in program.state):
             return None
-        steps = plan(store.program, wanted, self._servable)
-        if steps is None:
+        kept = [self._kept(program.steps[number]) for number in program.kept_steps]
+        plan = schedule(program, wanted, [k is not None and not k.modified() for k in kept])
+        if plan is None:
             return None
-        order, served, draws = steps
+        if not store.allow_mutation:
+            for number, k in zip(program.kept_steps, kept):
+                if k is not None and k.modified() and number in plan.order:
+                    raise self._modified(program.steps[number].op)
         self._begin()
         try:
-            with rng() if draws else contextlib.nullcontext():
-                return run(store.program, order, served, wanted, count, inputs, self._serve_step)
+            with rng() if plan.draws else contextlib.nullcontext():
+                return run(program, plan, count, inputs, self._serve_step)
         finally:
             self._end()
 
-    def _servable(self, step: _Step) -> bool:
+    def _kept(self, step: _Step) -> _Kept | _KeptOutputs | _Draw | None:
         slot = self.store.slots.get(id(step.op))
-        kept = slot.kept.get(step.call) if slot is not None and slot.kept else None
-        if kept is None:
-            return False
-        if kept.modified() and not self.store.allow_mutation:
-            raise self._modified(step.op)
-        return not kept.modified()
+        return slot.kept.get(step.call) if slot is not None and slot.kept else None
 
     def _serve_step(self, step: _Step) -> Any:
         # Kept draws are served only when forward followed a tape, which keeps them as plain outputs.

@@ -319,7 +319,7 @@ class _Learner:
                     continue
                 offloaded = any(k.offloaded for k in kept.tensors())
                 outputs[(id(slot.op), call)] = (spec, placed, offloaded)
-        program = self.program.finish(self.modules)
+        program = self.program.finish(self.modules, outputs)
         programs = _enabled[1] and program is not None
         if uncaptured and (not programs or set(uncaptured) & _calls_needed(program, self._dropped(packs), outputs)):
             # The replay would run an op the recording serves (time, and bytes the plan counts, would differ).
