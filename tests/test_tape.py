@@ -305,3 +305,19 @@ def test_a_kept_op_with_an_empty_output_follows_its_tape():
         assert_bitwise(expected, torch.autograd.grad(remat.checkpoint(fn, x, policy=keeps_the_norm).sum(), [x, w]))
     ((_, tape),) = _books[keeps_the_norm].tapes.values()
     assert tape is not None
+
+
+def test_a_policy_shared_by_more_blocks_than_a_small_book_holds_follows_every_tape():
+    # A plan shares one policy among all its blocks of a kind: an 80-layer model must not evict each tape
+    # before its next use.
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(80)]
+    policy, asked = _counting(_keep_matmuls)
+    x = torch.randn(4, 8, requires_grad=True)
+    for step in range(3):
+        asked[0] = 0
+        h = x
+        for layer in layers:
+            h = remat.checkpoint(layer, h.sin(), policy=policy)
+        h.sum().backward()
+        assert (asked[0] > 0) == (step == 0)

@@ -219,6 +219,57 @@ def test_a_block_whose_region_would_get_no_program_is_priced_as_the_python_rerun
         * graph.saved_tensors + overheads.policy_replay * (graph.stop + graph.saved_needing_grad))
 
 
+class _Rotary:
+    """Not a tensor, nor a plain value: a region taking it gets no tape (it could hold state the region reads)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+
+class _TakesAnObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, rotary):
+        return (self.linear(x) * rotary.scale).sin()
+
+
+class _Catching(nn.Module):
+    """Calls its blocks; the second raises inside, and the model carries on without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        try:
+            self.blocks[1]("not a tensor")
+        except TypeError:
+            pass
+        return self.blocks[2](x)
+
+
+def test_profiling_tells_which_blocks_get_programs_and_leaves_no_mode_behind():
+    x = torch.randn(4, 8, requires_grad=True)
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_TakesAnObject(), _TakesAnObject()])
+
+        def forward(self, t):
+            for block in self.blocks:
+                t = block(t, _Rotary(torch.ones(8)))
+            return t
+
+    graphs = profile_ops(Wrapper(), x, modules=["blocks.0", "blocks.1"], timing="estimate").blocks
+    assert len(graphs) == 2 and all("Python object" in g.no_program for g in graphs.values())
+    graphs = profile_ops(_Catching(), x, modules=["blocks.0", "blocks.1", "blocks.2"], timing="estimate").blocks
+    assert graphs["blocks.2"].runs_program and torch._C._len_torch_function_stack() == 0
+
+
 def test_on_the_cpu_host_and_kernel_add_up():
     host, kernel = 5e-6, 1e-3
     graph = _timed_graph(False, host, kernel)

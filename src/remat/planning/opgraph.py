@@ -60,8 +60,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api.modules import ActivationWrapper
 from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
-from ..policies.program import _STEP, _ProgramWriter, plan
+from ..policies.program import _STEP, _ProgramWriter, plan, watching_reads
 from ..policies.selective import create_selective_checkpoint_contexts
+from ..policies.tape import tapeable_argument
 from .blockpolicy import BlockPolicy
 from .discovery import candidate_modules
 from .overheads import Overheads, measure_overheads
@@ -244,8 +245,11 @@ class _BlockRecord:
         self.done = False
         # The program a selective region of this block would get, written alongside (and the modules it calls).
         self.program = _ProgramWriter(_tensors((args, kwargs)))
+        if not all(isinstance(leaf, torch.Tensor) or tapeable_argument(leaf) for leaf in tree_flatten((args,
+                                                                                                     kwargs))[0]):
+            self.program._refuse("the block takes a Python object: a region of it gets no tape")
         self.modules: list[nn.Module] = []
-        self.reads = self.program.watching()
+        self.pack_made: list[bool] = []  # per saved tensor: whether its storage is one the block made
         for t in _tensors((args, kwargs)):
             storage = t.untyped_storage()
             if storage not in self.owner:
@@ -311,6 +315,7 @@ class _Recorder(TorchDispatchMode):
             record.packs_needing_grad += t.requires_grad
             record.last_pack = record.ops
             where = record.owner.get(t.untyped_storage())
+            record.pack_made.append(where is not None and where >= 0)
             if where is not None and where >= 0:
                 record.lives[where].saved = True
             elif where is not None:
@@ -450,8 +455,10 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
     program = record.program.finish(record.modules)
     rerun: tuple[int, ...] = ()
     if program is not None:
-        # With nothing kept, every saved tensor the block made is dropped and rebuilt by the program.
-        dropped = [i for i, (kind, _, _) in enumerate(program.packs) if kind == _STEP]
+        # With nothing kept, every saved tensor on memory the block made is dropped and rebuilt by the program
+        # (a view of a parameter is held).
+        dropped = [i for i, ((kind, _, _), made) in enumerate(zip(program.packs, record.pack_made))
+                   if kind == _STEP and made]
         found = plan(program, dropped, lambda step: False)
         rerun = tuple(found[0]) if found is not None else ()
     record.modules = []
@@ -528,25 +535,29 @@ def profile_ops(
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
         name = names[id(module)]
-        if name not in records:  # later calls of a block reuse its first call's decisions
+        # Later calls of a block reuse its first call's decisions; one called inside another is the outer's.
+        if name not in records and recorder.current is None:
             recorder.current = records[name] = _BlockRecord(name, module, args, kwargs)
-            recorder.current.reads.__enter__()
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         record = recorder.current
         if record is not None and record.module is module:
             record.done = True
-            record.reads.__exit__(None, None, None)
             recorder.current = None
+
+    def refuse(why: str) -> None:
+        if recorder.current is not None:
+            recorder.current.program._refuse(why)
 
     handles = []
     try:
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(module.register_forward_hook(after, with_kwargs=True))
+            handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
         handles.append(register_module_forward_hook(recorder.module_output))
         with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
+            with (torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder,
+                  watching_reads(refuse)):
                 model(*example_inputs, **example_kwargs)
             recorder.held.clear()
             for handle in handles:
@@ -563,8 +574,6 @@ def profile_ops(
     finally:
         for handle in handles:
             handle.remove()
-        if recorder.current is not None:  # the forward raised inside a block
-            recorder.current.reads.__exit__(None, None, None)
     missing = [name for name, _ in blocks if name not in graphs]
     notes = [f"{', '.join(missing)} did not run in the forward; no graph"] if missing else []
     device = str(next(iter(tensors)).device) if tensors else "cpu"

@@ -192,7 +192,7 @@ class _ProgramWriter:
 
     def watching(self) -> TorchFunctionMode:
         """The mode to run the recording forward under: it sees Python read a tensor's data."""
-        return _DataReads(self)
+        return watching_reads(self._refuse)
 
     def before_draw(self, op: Any, args: tuple, kwargs: dict) -> None:
         """A random op is about to run: the program replays it only where it draws on from the last draw."""
@@ -329,17 +329,24 @@ _DATA_READS = frozenset(getattr(torch.Tensor, name) for name in
 
 
 class _DataReads(TorchFunctionMode):
-    """While recording: refuses the program where Python reads a tensor's data (no aten op shows it)."""
+    """While recording: refuses a program (``refuse(why)``) where Python reads a tensor's data (no aten op
+    shows it)."""
 
-    def __init__(self, writer: _ProgramWriter) -> None:
+    def __init__(self, refuse: Callable[[str], None]) -> None:
         super().__init__()
-        self.writer = writer
+        self.refuse = refuse
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _DATA_READS:
-            self.writer._refuse(f"Python reads a tensor's data ({func.__name__}): what it read, or what a kernel "
-                                "wrote there, is no op the program can rerun")
+            self.refuse(f"Python reads a tensor's data ({func.__name__}): what it read, or what a kernel wrote "
+                        "there, is no op the program can rerun")
         return func(*args, **(kwargs or {}))
+
+
+def watching_reads(refuse: Callable[[str], None]) -> TorchFunctionMode:
+    """The mode a recording forward runs under to see Python read a tensor's data; ``refuse(why)`` is called
+    for each read."""
+    return _DataReads(refuse)
 
 
 class _RngWatch:

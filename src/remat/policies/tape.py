@@ -61,7 +61,11 @@ __all__ = ["tapes"]
 
 _EXTERNAL = "external"  # a saved tensor made outside the region: held, never served
 _TENSOR = "tensor"  # in a kept call's outputs: a tensor leaf (the others are kept as they are)
-_BOOK_SIZE = 64  # tapes kept per policy (regions × input signatures)
+# Tapes kept per policy (regions × input signatures): a plan shares one policy among all its blocks of a
+# kind, and a book smaller than the model's layers would evict each tape before its next use.
+_BOOK_SIZE = 4096
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_ARGUMENTS = (bool, int, float, str, torch.dtype, torch.device)
 _enabled = [True, True]  # tapes, programs
 
 
@@ -159,12 +163,9 @@ def _region_key(fn: Callable, leaves: list[Any], tensors: list[torch.Tensor], st
     while hasattr(fn, "__wrapped__"):  # a module wrapper made afresh per call names the module it runs
         fn = fn.__wrapped__
     anchor = getattr(fn, "__self__", fn)
-    plain = []
-    for leaf in leaves:
-        if leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device)):
-            plain.append(leaf)
-        else:
-            return None, None  # an object the region may read state from: no tape
+    if not all(map(tapeable_argument, leaves)):
+        return None, None  # an object the region may read state from: no tape
+    plain = list(leaves)
     try:
         weakref.ref(anchor)
     except TypeError:
@@ -172,6 +173,17 @@ def _region_key(fn: Callable, leaves: list[Any], tensors: list[torch.Tensor], st
     shapes = tuple((t.shape, t.dtype, t.device, t.stride(), t.requires_grad) for t in tensors)
     function = getattr(fn, "__func__", None)
     return (id(anchor), id(function), tuple(plain), shapes, state.cpu_autocast, state.device_autocast), anchor
+
+
+def tapeable_argument(leaf: Any) -> bool:
+    """Whether a region taking ``leaf`` (a non-tensor argument) can have a tape: a plain value is part of the
+    region's key; an object could hold state the region reads."""
+    return leaf is None or isinstance(leaf, _PLAIN_ARGUMENTS)
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    """A tensor whose storage a tape can tell apart (not a subclass, sparse, or on the meta device)."""
+    return type(t) in _PLAIN and t.layout == torch.strided and t.device.type != "meta"
 
 
 def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -233,25 +245,24 @@ class _Learner:
         self.program.step(slot.op, args, kwargs, out, call)
         self.ops_run += 1
         traits = _traits(slot.op)
-        if traits & _RANDOM_WRITE and isinstance(out, torch.Tensor):
+        if traits & _RANDOM_WRITE and isinstance(out, torch.Tensor) and _tracked(out):
             # What an in-place draw wrote is kept as a private copy, if at all: holding the saved tensor too
             # would keep it twice.
             self.drawn.add(_storage_key(out))
         if traits & _VIEW_OR_INPLACE:
             return  # its outputs alias its inputs (a parameter's transpose is the parameter's storage)
-        inputs = {_storage_key(a) for a in tree_flatten(args)[0]
-                  if isinstance(a, torch.Tensor) and a.layout == torch.strided}
+        inputs = {_storage_key(a) for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and _tracked(a)}
         self.position[(id(slot.op), call)] = self.ops_run
         leaves = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         for leaf, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
+            if isinstance(t, torch.Tensor) and _tracked(t):
                 storage = t.untyped_storage()
                 key = (t.device.type, storage.data_ptr())
                 if storage.nbytes() and key not in inputs:  # _unsafe_view returns its input's storage unannotated
                     self.made[key] = (storage.nbytes(), slot, call, leaf, _geometry(t))
 
     def _source(self, t: torch.Tensor) -> Any:
-        if t.device.type == "meta" or t.layout != torch.strided:
+        if not _tracked(t):
             return None  # no storage to tell apart: rebuilt by the replay
         key = _storage_key(t)
         if key in self.drawn:
