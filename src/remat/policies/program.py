@@ -123,6 +123,11 @@ class _Schedule:
     direct: tuple[tuple[int, Ref], ...]  # (pack index, source) refilled from inputs or outside tensors
 
 
+def _tracked(t: torch.Tensor) -> bool:
+    """A tensor whose memory can be told apart (not a subclass, sparse, or on the meta device)."""
+    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.device.type != "meta"
+
+
 def _key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
             t.is_conj(), t.is_neg())
@@ -148,14 +153,14 @@ class _ProgramWriter:
         self.refused: str | None = None
         if torch._C._are_functorch_transforms_active():
             self.refused = "functorch transforms are active"
-        if not all(self._plain(t) for t in inputs):
+        if not all(_tracked(t) for t in inputs):
             self.refused = "an input is a sparse tensor, a tensor subclass or on the meta device"
             return
         storages = [(t.device, t.untyped_storage().data_ptr()) for t in inputs if t.untyped_storage().nbytes()]
         if len(set(storages)) < len(storages):
             self.refused = "two inputs share memory (a later call may pass tensors that do not)"
         for position, t in enumerate(inputs):
-            if self._plain(t):
+            if _tracked(t):
                 self._register(t, (_INPUT, position, 0))
 
     def step(self, op: Any, args: tuple, kwargs: dict, out: Any, call: int | None) -> None:
@@ -183,7 +188,7 @@ class _ProgramWriter:
             return self._refuse(f"{op} returns a Python value that later ops may use as a constant")
         for leaf, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
-                if not self._plain(t):
+                if not _tracked(t):
                     return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
                 self._register(t, (_STEP, index, leaf))
         if op in _UNINITIALIZED or not torch.is_grad_enabled():
@@ -279,7 +284,7 @@ class _ProgramWriter:
     def _ref(self, t: torch.Tensor) -> Ref:
         if self.refused is not None:
             return (_STATE, -1, 0)
-        if not self._plain(t):
+        if not _tracked(t):
             self._refuse(f"a {type(t).__name__} on {t.device} is an argument")
             return (_STATE, -1, 0)
         entry = self.refs.get(_key(t))
@@ -304,10 +309,6 @@ class _ProgramWriter:
 
     def _register(self, t: torch.Tensor, ref: Ref) -> None:
         self.refs[_key(t)] = (ref, StorageWeakRef(t.untyped_storage()))
-
-    @staticmethod
-    def _plain(t: torch.Tensor) -> bool:
-        return type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.device.type != "meta"
 
     def _refuse(self, why: str) -> None:
         if self.refused is None:

@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .decisions import _RANDOM_WRITE, _VIEW_OR_INPLACE, _traits
 from .kept import _Draw, _keep, _Kept, _KeptOutputs, _settle
-from .program import _calls_needed, _Program, _ProgramWriter, state_matches
+from .program import _calls_needed, _Program, _ProgramWriter, _tracked, state_matches
 
 __all__ = ["tapes"]
 
@@ -64,7 +64,6 @@ _TENSOR = "tensor"  # in a kept call's outputs: a tensor leaf (the others are ke
 # Tapes kept per policy (regions × input signatures): a plan shares one policy among all its blocks of a
 # kind, and a book smaller than the model's layers would evict each tape before its next use.
 _BOOK_SIZE = 4096
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_ARGUMENTS = (bool, int, float, str, torch.dtype, torch.device)
 _enabled = [True, True]  # tapes, programs
 
@@ -179,11 +178,6 @@ def tapeable_argument(leaf: Any) -> bool:
     """Whether a region taking ``leaf`` (a non-tensor argument) can have a tape: a plain value is part of the
     region's key; an object could hold state the region reads."""
     return leaf is None or isinstance(leaf, _PLAIN_ARGUMENTS)
-
-
-def _tracked(t: torch.Tensor) -> bool:
-    """A tensor whose storage a tape can tell apart (not a subclass, sparse, or on the meta device)."""
-    return type(t) in _PLAIN and t.layout == torch.strided and t.device.type != "meta"
 
 
 def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int]:
