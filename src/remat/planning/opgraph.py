@@ -60,7 +60,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api.modules import ActivationWrapper
 from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
-from ..policies.program import _STEP, _ProgramWriter, plan, watching_reads
+from ..policies.program import _ProgramWriter, watching_reads
 from ..policies.selective import create_selective_checkpoint_contexts
 from ..policies.tape import tapeable_argument
 from .blockpolicy import BlockPolicy
@@ -452,15 +452,7 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
                         n.reachable) for n in nodes],
                       storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
-    program = record.program.finish(record.modules)
-    rerun: tuple[int, ...] = ()
-    if program is not None:
-        # With nothing kept, every saved tensor on memory the block made is dropped and rebuilt by the program
-        # (a view of a parameter is held).
-        dropped = [i for i, ((kind, _, _), made) in enumerate(zip(program.packs, record.pack_made))
-                   if kind == _STEP and made]
-        found = plan(program, dropped, lambda step: False)
-        rerun = tuple(found[0]) if found is not None else ()
+    rerun = record.program.rerun_keeping_nothing(record.modules, record.pack_made)
     record.modules = []
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,

@@ -248,6 +248,16 @@ class _ProgramWriter:
         kept = tuple(n for n, step in enumerate(self.steps) if (id(step.op), step.call) in kept_calls)
         return _Program(self.steps, self.packs, state, checks, self.saved_state, previous_draw, kept)
 
+    def rerun_keeping_nothing(self, modules: Sequence[torch.nn.Module], made: Sequence[bool]) -> tuple[int, ...]:
+        """Forward ended (as :meth:`finish`): the steps the program would run if the policy kept nothing, where
+        ``made[i]`` says whether saved tensor ``i`` is on memory the region made (the others are held)."""
+        program = self.finish(modules)
+        if program is None:
+            return ()
+        dropped = [i for i, ((kind, _, _), mine) in enumerate(zip(program.packs, made)) if kind == _STEP and mine]
+        found = plan(program, dropped, lambda step: False)
+        return tuple(found[0]) if found is not None else ()
+
     def _reads_uninitialized(self) -> bool:
         refs = [ref for step in self.steps for _, ref in step.fills] + self.packs
         return any(kind == _STEP and where in self.uninitialized for kind, where, _ in refs)
