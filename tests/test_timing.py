@@ -270,6 +270,19 @@ def test_profiling_tells_which_blocks_get_programs_and_leaves_no_mode_behind():
     assert graphs["blocks.2"].runs_program and torch._C._len_torch_function_stack() == 0
 
 
+def test_on_the_cpu_a_program_costs_its_ops_kernels_and_program_op_each():
+    host, kernel = 5e-6, 1e-3
+    graph = _timed_graph(False, host, kernel)
+    graph.overheads = dataclasses.replace(graph.overheads, program_op=2e-6)
+    o, rerun = graph.overheads, graph.program_rerun()
+    prices = BlockPrices(graph)
+    # No forward policy work (the region follows its tape) and no Python rerun: the rerun ops and the machinery.
+    assert prices.selective_time == pytest.approx(
+        o.region + o.per_saved * graph.saved_tensors + sum(graph.nodes[i].kernel_time + 2e-6 for i in rerun))
+    assert prices.selective_time < prices.checkpoint_time
+    assert all(g == pytest.approx(kernel + 2e-6 if i in rerun else 0.0) for i, g in prices.gain.items())
+
+
 def test_on_the_cpu_host_and_kernel_add_up():
     host, kernel = 5e-6, 1e-3
     graph = _timed_graph(False, host, kernel)

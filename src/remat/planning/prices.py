@@ -14,7 +14,9 @@ mode           extra time per step
 ``selective``  checkpoint's + the policy's host work (forward and replay) − Σ gains
 =============  ================================================================================
 
-and keeping op ``i`` spares its kernel: the replay still dispatches it but serves the output.
+and keeping op ``i`` spares its kernel: the replay still dispatches it but serves the output.  A region
+refilled from its program (:mod:`remat.policies.program`) costs, instead, the machinery plus, per op its
+program reruns, the op's kernel and ``program_op``; keeping such an op spares both.
 
 On an accelerator the host runs ahead of the device: while it dispatches a view or the region's machinery,
 the device works through kernels queued before.  A rerun costs the larger of its kernels and its host work
@@ -73,6 +75,18 @@ class BlockPrices:
         machinery = overheads.region + overheads.per_saved * graph.saved_tensors
         copy = 2 * overheads.copy_per_byte
         gain = {}
+        # Refilled from its program, a followed region reruns only the ops its saved tensors need, without its
+        # Python code and with no dispatch mode, at ``program_op`` of host work each; its forward has no
+        # dispatch mode either.  Otherwise its Python code reruns under the replay mode.
+        program = graph.runs_program and overheads.program_op > 0
+        rerun = graph.program_rerun() if program else list(range(stop))
+        running = set(rerun)
+        # A kept draw still reruns where a later random op does (so that op draws as in forward).
+        last_draw = max((i for i in running if nodes[i].random), default=-1) if program else -1
+
+        def spared(i: int) -> bool:  # whether keeping node i spares running it
+            return i in running and not (nodes[i].random and i < last_draw)
+
         if overlapped:
             # The host runs ahead of the device: while it dispatches one op (a view, a tiny one) the device
             # works through kernels queued before, so the rerun costs its kernels, or its host work where
@@ -82,34 +96,33 @@ class BlockPrices:
             kernels = sum(n.kernel_time for n in nodes[:stop])
             host = sum(n.host_time for n in nodes[:stop]) + machinery
             self.checkpoint_time = max(kernels, host)
-            rerun = range(stop)
-            if graph.runs_program and overheads.program_op > 0:
-                # Refilled from its program: only the ops the saved tensors need run, without the block's
-                # Python code and with no dispatch mode.
-                rerun = graph.program_rerun()
+            if program:
                 self.host_floor = machinery + overheads.program_op * len(rerun)
                 self.device_time = sum(nodes[i].kernel_time for i in rerun)
             else:
                 self.host_floor = host + overheads.policy_replay * (stop + graph.saved_needing_grad)
                 self.device_time = kernels
             self.selective_time = max(self.device_time, self.host_floor)
-            running = set(rerun)
-            # A kept draw still reruns where a later random op does (so that op draws as in forward).
-            last_draw = max((i for i in running if nodes[i].random), default=-1) if graph.runs_program else -1
             for i in graph.keepable:
-                spared = i in running and not (nodes[i].random and i < last_draw)  # else the program runs it anyway
-                gain[i] = (nodes[i].kernel_time if spared else 0.0) - copy * graph.copied_bytes(i)
+                gain[i] = (nodes[i].kernel_time if spared(i) else 0.0) - copy * graph.copied_bytes(i)
         else:
             self.checkpoint_time = machinery + sum(n.wall_time for n in nodes[:stop])
-            # The replay also dispatches the detach of every rebuilt tensor that requires grad.
-            self.selective_time = (self.checkpoint_time + policy_work(nodes, overheads.policy_forward)
-                                   + policy_work(nodes[:stop], overheads.policy_replay)
-                                   + overheads.policy_replay * graph.saved_needing_grad)
+            if program:
+                self.selective_time = machinery + sum(nodes[i].kernel_time + overheads.program_op for i in rerun)
+            else:
+                # The replay also dispatches the detach of every rebuilt tensor that requires grad.
+                self.selective_time = (self.checkpoint_time + policy_work(nodes, overheads.policy_forward)
+                                       + policy_work(nodes[:stop], overheads.policy_replay)
+                                       + overheads.policy_replay * graph.saved_needing_grad)
             self.host_floor = 0.0
             self.device_time = self.selective_time
             for i in graph.keepable:
-                host = nodes[i].host_time + overheads.policy_replay
-                gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
+                if program:
+                    gain[i] = (nodes[i].kernel_time + overheads.program_op if spared(i) else 0.0) \
+                        - copy * graph.copied_bytes(i)
+                else:
+                    host = nodes[i].host_time + overheads.policy_replay
+                    gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
         self.matmul_time = sum(n.kernel_time for n in nodes if n.op in _MATMUL_NAMES)
         self.gain = _tied(gain, {i: nodes[i].out_bytes for i in gain})
 
