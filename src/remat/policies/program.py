@@ -255,7 +255,7 @@ class _ProgramWriter:
         if program is None:
             return ()
         dropped = [i for i, ((kind, _, _), mine) in enumerate(zip(program.packs, made)) if kind == _STEP and mine]
-        found = plan(program, dropped, lambda step: False)
+        found = plan(program, dropped, frozenset())
         return tuple(found[0]) if found is not None else ()
 
     def _reads_uninitialized(self) -> bool:
@@ -326,9 +326,9 @@ class _ProgramWriter:
         self.outside, self.inputs = [], []
 
 
-def _calls_needed(program: _Program, wanted: Sequence[int], kept: Any) -> set[tuple[int, int]]:
-    """The (op id, call) of every step a refill of ``wanted`` runs, the calls in ``kept`` served."""
-    found = plan(program, wanted, lambda step: (id(step.op), step.call) in kept)
+def _calls_needed(program: _Program, wanted: Sequence[int]) -> set[tuple[int, int]]:
+    """The (op id, call) of every step a refill of ``wanted`` runs, every captured kept output served."""
+    found = plan(program, wanted, frozenset(program.kept_steps))
     if found is None:
         return {(id(step.op), step.call) for step in program.steps}  # the Python rerun may run any
     order, served, _ = found
@@ -425,11 +425,10 @@ def state_matches(program: _Program, number: int, module: torch.nn.Module) -> bo
     return True
 
 
-def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], bool],
-         serve: Any = frozenset()) -> tuple[list, set, bool] | None:
-    """The steps for the saved tensors ``wanted`` (in forward order), those of them to serve (``servable``
-    says which have a kept output to serve, or they are in ``serve``, by step), and whether a random op runs;
-    None where only the Python rerun can refill them."""
+def plan(program: _Program, wanted: Sequence[int], serve: Any) -> tuple[list, set, bool] | None:
+    """The steps for the saved tensors ``wanted`` (in forward order), those of them to serve (of the steps in
+    ``serve``, those with a kept output to serve), and whether a random op runs; None where only the Python
+    rerun can refill them."""
     steps = program.steps
     needed = [False] * len(steps)
     for index in wanted:
@@ -444,7 +443,7 @@ def plan(program: _Program, wanted: Sequence[int], servable: Callable[[_Step], b
         if not needed[number]:
             continue
         step = steps[number]
-        if number in serve or step.call is not None and servable(step):
+        if number in serve:
             if not (step.random and draws):
                 served.add(number)
                 continue
@@ -473,7 +472,7 @@ def schedule(program: _Program, wanted: Sequence[int], servable: Sequence[bool])
     if found is not None:
         return found
     serve = {number for number, can in zip(program.kept_steps, servable) if can}
-    planned = plan(program, wanted, lambda step: False, serve)
+    planned = plan(program, wanted, serve)
     if planned is None:
         return None
     order, served, draws = planned

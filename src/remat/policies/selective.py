@@ -383,12 +383,13 @@ class _Replayer(TorchDispatchMode):
         if program is None or any(ref() is None for ref in program.state):
             return None
         kept = [self._kept(program.steps[number]) for number in program.kept_steps]
-        plan = schedule(program, wanted, [k is not None and not k.modified() for k in kept])
+        changed = [k is not None and k.modified() for k in kept]
+        plan = schedule(program, wanted, [k is not None and not c for k, c in zip(kept, changed)])
         if plan is None:
             return None
-        if not store.allow_mutation:
-            for number, k in zip(program.kept_steps, kept):
-                if k is not None and k.modified() and number in plan.order:
+        if not store.allow_mutation:  # changed since forward, and needed: the error the Python rerun raises
+            for number, c in zip(program.kept_steps, changed):
+                if c and number in plan.order:
                     raise self._modified(program.steps[number].op)
         self._begin()
         try:

@@ -326,7 +326,7 @@ class _Learner:
                 outputs[(id(slot.op), call)] = (spec, placed, offloaded)
         program = self.program.finish(self.modules, outputs)
         programs = _enabled[1] and program is not None
-        if uncaptured and (not programs or set(uncaptured) & _calls_needed(program, self._dropped(packs), outputs)):
+        if uncaptured and (not programs or set(uncaptured) & _calls_needed(program, self._dropped(packs))):
             # The replay would run an op the recording serves (time, and bytes the plan counts, would differ).
             # The Python rerun may, where it runs before the replay's end; a program only where a dropped saved
             # tensor needs it.
