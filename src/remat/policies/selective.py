@@ -83,6 +83,7 @@ from .decisions import (
     _action,
     _traits,
 )
+from .fused import current_backend, run_fused
 from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs, _prefetch, _settle, _unprefetch
 from .offload import OffloadStats
 from .program import _Program, _Step, run, schedule
@@ -131,6 +132,7 @@ class _Store:
         # nothing (the follower held nothing from where it parted on).
         self.unrecorded = False
         self.program: _Program | None = None  # the followed tape's program, if its state checked out
+        self.fuse = current_backend()  # the compiler its refills fuse with (None: op by op; see .fused)
 
     def follow(self, follower: _Follower) -> None:
         """The forward followed a tape: the replay is served what it captured (built when first needed)."""
@@ -394,6 +396,8 @@ class _Replayer(TorchDispatchMode):
         self._begin()
         try:
             with rng() if plan.draws else contextlib.nullcontext():
+                if store.fuse is not None:  # a refill that draws runs op by op (see .fused)
+                    return run_fused(program, plan, count, inputs, self._serve_step, store.fuse)
                 return run(program, plan, count, inputs, self._serve_step)
         finally:
             self._end()

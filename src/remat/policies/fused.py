@@ -1,0 +1,301 @@
+"""Fused reruns: a program's refill compiled into a few kernels, for regions run inside :func:`fused_reruns`.
+
+A region refilled from its program (:mod:`.program`) reruns its ops one by one: on a GPU each elementwise op
+is a kernel that reads and writes its whole tensor, so a Llama layer that keeps its matmuls still moves its
+RMSNorms' float32 copies, its rotary embedding and its SiLU through memory op by op.  Fused, the same ops
+are handed to a compiler (Inductor by default) as one graph: the elementwise chains become a few kernels
+that read the layer's inputs once and write only the tensors backward needs.
+
+The graph is the refill itself: the ops the schedule runs, with the region's inputs, the module state they
+read and the kept outputs served as its inputs, and the dropped saved tensors as its outputs.  Each is
+compiled once per structure (ops, constants, and the inputs' shapes, strides, dtypes and devices), so the
+layers of a model share one compilation.  Refills that draw random numbers run op by op, as do graphs the
+compiler rejects (a warning names the error once).
+
+Fused recomputation is not bitwise: a compiler reorders reductions and keeps intermediates in registers.
+Inductor is asked to round where eager rounds (``emulate_precision_casts``, division rounding), so what
+differs is what fusion itself changes (a reduction's order, a transcendental's last bit); gradients match
+plain autograd to rounding, as those of a compiled model do.  That is why it is opt-in.
+
+Example:
+    >>> with remat.policies.fused_reruns():
+    ...     loss = model(x).sum()  # regions that follow their tapes are marked to fuse their reruns
+    >>> loss.backward()  # each layer's dropped tensors come back from one compiled graph
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .program import _INPUT, _STATE, _STEP, Ref, _arguments, _Program, _Schedule, _Step, _value, run
+
+__all__ = ["fused_reruns"]
+
+_backend: list[str | None] = [None]
+_CONSTANTS = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
+              torch.memory_format)
+_COMPILED_KEPT = 64  # compiled graphs kept (structures × shapes)
+_compiled: OrderedDict[tuple, Callable | None] = OrderedDict()  # None: the compiler rejected it
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
+
+
+@contextlib.contextmanager
+def fused_reruns(backend: str = "inductor") -> Iterator[None]:
+    """Mark the selective regions whose forward runs inside to refill their dropped tensors with one compiled
+    graph per region (``backend`` as ``torch.compile`` takes it), rather than op by op.
+
+    It applies to regions that follow their tapes and have a program (:mod:`remat.policies.program`); the
+    backward may run outside the ``with``.  Gradients match plain autograd to rounding, not bitwise.
+
+    Example:
+        >>> with remat.policies.fused_reruns():
+        ...     loss = model(x).sum()
+        >>> loss.backward()
+    """
+    before = _backend[0]
+    _backend[0] = backend
+    try:
+        yield
+    finally:
+        _backend[0] = before
+
+
+def current_backend() -> str | None:
+    """The compiler backend regions starting now fuse their reruns with (None: they run op by op)."""
+    return _backend[0]
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """One refill as a compiled graph: where each graph input comes from, and which pack each output fills."""
+
+    call: Callable
+    sources: tuple[Ref, ...]  # (_INPUT, position, 0), (_STATE, index, 0) or (_STEP, served step, leaf)
+    outputs: tuple[int, ...]  # pack index of each graph output
+
+
+def run_fused(program: _Program, plan: _Schedule, count: int, inputs: Sequence[torch.Tensor],
+              serve: Callable[[_Step], Any], backend: str) -> list[Any]:
+    """:func:`~.program.run`, with the ops compiled into one graph by ``backend`` where it can be.
+
+    Example:
+        >>> refilled = run_fused(program, plan, count, inputs, serve, "inductor")
+    """
+    steps = program.steps
+    served = {number: serve(steps[number]) for number in plan.order if number in plan.served}
+    fused = _fused(program, plan, inputs, served, backend)
+    if fused is None:
+        by_step = {id(steps[number]): value for number, value in served.items()}
+        return run(program, plan, count, inputs, lambda step: by_step[id(step)])
+    result: list[Any] = [None] * count
+    for index, (kind, where, leaf) in plan.direct:
+        result[index] = _value(kind, where, leaf, None, inputs, program.state).detach()
+    for number, out in served.items():
+        for index, leaf in plan.results.get(number, ()):
+            value = _leaf(out, leaf)
+            result[index] = value.detach() if value.requires_grad else value
+    arguments = [_source(ref, inputs, program, served) for ref in fused.sources]
+    with torch.no_grad(), _autocast_off(arguments):
+        outputs = fused.call(*arguments)
+    for index, value in zip(fused.outputs, outputs):
+        result[index] = value
+    return result
+
+
+def _fused(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], served: dict[int, Any],
+           backend: str) -> _Fused | None:
+    """The compiled graph for ``plan`` (built on its first refill, then kept with the program); None where it
+    runs op by op."""
+    found = program.fused.get(id(plan))
+    if found is not None and found[0] is plan:
+        return found[1]
+    fused = _build(program, plan, inputs, served, backend)
+    program.fused[id(plan)] = (plan, fused)
+    return fused
+
+
+def _build(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], served: dict[int, Any],
+           backend: str) -> _Fused | None:
+    if plan.draws:
+        return None  # a compiled graph draws from its own generator, not from where forward drew
+    graph = _GraphWriter()
+    steps = program.steps
+    key: list[Any] = [backend]
+    for number in plan.order:
+        if number in plan.served:
+            continue
+        step = steps[number]
+        frozen = _frozen((step.args, step.kwargs))
+        if frozen is _UNFIT or not _flat_returns(step.op):
+            return None
+        args, kwargs = _arguments(step, graph.nodes, graph.inputs, graph.state)
+        graph.step(number, step.op, args, kwargs, len(step.op._schema.returns) == 1 and not _is_list(step.op))
+        key.append((step.op, frozen, tuple((position, graph.local(ref)) for position, ref in step.fills)))
+    outputs = [(index, (_STEP, number, leaf)) for number, refills in plan.results.items() if number not in plan.served
+               for index, leaf in refills]
+    if not outputs:
+        return None
+    graph.output([graph.value(ref) for _, ref in outputs])
+    sources = tuple(graph.sources)
+    for ref in sources:
+        t = _source(ref, inputs, program, served)
+        key.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.is_conj(), t.is_neg()))
+    key.append(tuple(graph.local(ref) for _, ref in outputs))
+    return _Fused(_compile(tuple(key), graph, backend), sources, tuple(index for index, _ in outputs))
+
+
+class _GraphWriter:
+    """An fx graph of a refill, written step by step; serves :func:`~.program._arguments` the nodes in place
+    of the values it would read."""
+
+    def __init__(self) -> None:
+        self.graph = torch.fx.Graph()
+        self.sources: list[Ref] = []
+        self.placeholders: dict[Ref, torch.fx.Node] = {}
+        self.made: dict[int, _Leaves] = {}  # program step -> its outputs in the graph
+        self.position: dict[int, int] = {}  # program step -> its position among the graph's steps
+        self.nodes = _Lookup(lambda where: self.made.get(where) or _Leaves(self, where, None, False))
+        self.inputs = _Lookup(lambda where: self.placeholder((_INPUT, where, 0)))
+        self.state = _Lookup(lambda where: lambda: self.placeholder((_STATE, where, 0)))
+
+    def step(self, number: int, op: Any, args: list, kwargs: dict, single: bool) -> None:
+        self.position[number] = len(self.position)
+        self.made[number] = _Leaves(self, number, self.graph.call_function(op, tuple(args), kwargs), single)
+
+    def value(self, ref: Ref) -> torch.fx.Node:
+        kind, where, leaf = ref
+        return self.nodes[where][leaf] if kind == _STEP else self.placeholder(ref)
+
+    def placeholder(self, ref: Ref) -> torch.fx.Node:
+        node = self.placeholders.get(ref)
+        if node is None:
+            node = self.placeholders[ref] = self.graph.placeholder(f"input_{len(self.sources)}")
+            self.sources.append(ref)
+        return node
+
+    def local(self, ref: Ref) -> tuple:
+        """``ref`` as the key names it: by graph input, or by graph step and leaf (not by program step: the
+        layers of a model share a key)."""
+        if ref in self.placeholders:
+            return ("input", self.sources.index(ref))
+        return ("step", self.position[ref[1]], ref[2])
+
+    def output(self, nodes: list[torch.fx.Node]) -> None:
+        self.graph.output(tuple(nodes))
+
+
+class _Leaves:
+    """The outputs of one graph step by leaf (or, for a served step, its placeholders)."""
+
+    def __init__(self, writer: _GraphWriter, number: int, node: torch.fx.Node | None, single: bool) -> None:
+        self.writer, self.number, self.node, self.single = writer, number, node, single
+        self.items: dict[int, torch.fx.Node] = {}
+
+    def __getitem__(self, leaf: int) -> torch.fx.Node:
+        if self.node is None:  # a served step: its kept output is a graph input
+            return self.writer.placeholder((_STEP, self.number, leaf))
+        if self.single:
+            return self.node
+        if leaf not in self.items:
+            self.items[leaf] = self.writer.graph.call_function(operator.getitem, (self.node, leaf))
+        return self.items[leaf]
+
+
+class _Lookup:
+    def __init__(self, get: Callable[[int], Any]) -> None:
+        self.get = get
+
+    def __getitem__(self, where: int) -> Any:
+        return self.get(where)
+
+
+def _compile(key: tuple, graph: _GraphWriter, backend: str) -> Callable | None:
+    if key in _compiled:
+        _compiled.move_to_end(key)
+        return _compiled[key]
+    module = torch.fx.GraphModule(torch.nn.Module(), graph.graph)
+    options = _INDUCTOR_OPTIONS if backend == "inductor" else None
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False, options=options)
+    call = _Guarded(compiled, module)
+    _compiled[key] = call
+    if len(_compiled) > _COMPILED_KEPT:
+        _compiled.popitem(last=False)
+    return call
+
+
+class _Guarded:
+    """A compiled refill that falls back to running its graph op by op (once warned) if the compiler fails."""
+
+    def __init__(self, compiled: Callable, module: torch.fx.GraphModule) -> None:
+        self.compiled: Callable | None = compiled
+        self.module = module
+
+    def __call__(self, *arguments: torch.Tensor) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*arguments)
+            except Exception as error:  # noqa: BLE001 - any compiler failure leaves the eager graph correct
+                warnings.warn(f"remat: a fused rerun failed to compile ({type(error).__name__}: {error}); "
+                              "this region's reruns run op by op", stacklevel=2)
+                self.compiled = None
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return self.module(*arguments)
+
+
+_UNFIT = object()
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a key (types kept: 1, 1.0 and True are different constants); ``_UNFIT`` if it cannot be."""
+    if isinstance(value, (list, tuple)):
+        items = tuple(_frozen(v) for v in value)
+        return _UNFIT if any(i is _UNFIT for i in items) else (type(value), items)
+    if isinstance(value, dict):
+        items = tuple((k, _frozen(v)) for k, v in value.items())
+        return _UNFIT if any(i is _UNFIT for _, i in items) else (dict, items)
+    if isinstance(value, _CONSTANTS):
+        return (type(value), value)
+    return _UNFIT
+
+
+def _flat_returns(op: Any) -> bool:
+    """Whether the op's outputs flatten to its returns in order (no list among several returns)."""
+    returns = op._schema.returns
+    return len(returns) == 1 or not any(_is_list_type(r.type) for r in returns)
+
+
+def _is_list(op: Any) -> bool:
+    return _is_list_type(op._schema.returns[0].type)
+
+
+def _is_list_type(kind: Any) -> bool:
+    return isinstance(kind, torch.ListType)
+
+
+def _leaf(out: Any, leaf: int) -> Any:
+    return out if isinstance(out, torch.Tensor) else tree_flatten(out)[0][leaf]
+
+
+def _source(ref: Ref, inputs: Sequence[torch.Tensor], program: _Program, served: dict[int, Any]) -> torch.Tensor:
+    kind, where, leaf = ref
+    if kind == _STEP:
+        return _leaf(served[where], leaf)
+    return inputs[where] if kind == _INPUT else program.state[where]()
+
+
+def _autocast_off(tensors: Sequence[torch.Tensor]) -> contextlib.ExitStack:
+    """Autocast off on every device it is on: the graph's ops ran below it in forward, casts included."""
+    stack = contextlib.ExitStack()
+    for device in {"cpu", *(t.device.type for t in tensors)}:
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack

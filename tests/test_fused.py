@@ -1,0 +1,172 @@
+"""Fused reruns: a followed region's refill compiled into one graph (remat.policies.fused_reruns).
+
+With the ``eager`` backend the compiled graph runs the program's own ops, so gradients stay bitwise: that
+checks the graph is the refill.  With Inductor they match to rounding (fusion reorders a reduction).
+"""
+
+import pytest
+import torch
+from helpers import assert_bitwise, grads
+from test_program import Layer, _keep
+
+import remat
+from remat.policies import fused as fused_module
+from remat.policies import fused_reruns, save_matmuls
+
+MM = {torch.ops.aten.mm.default}
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Each graph a fused refill compiles, as the number of ops it holds (and a clean cache)."""
+    monkeypatch.setattr(fused_module, "_compiled", type(fused_module._compiled)())
+    seen = []
+    real = fused_module._compile
+
+    def counting(key, graph, backend):
+        if key not in fused_module._compiled:
+            seen.append(sum(node.op == "call_function" for node in graph.graph.nodes))
+        return real(key, graph, backend)
+
+    monkeypatch.setattr(fused_module, "_compile", counting)
+    return seen
+
+
+def _stack(depth=3, width=16):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Layer(width) for _ in range(depth))
+    params = list(layers.parameters())
+    return layers, params
+
+
+def _forward(layers, x, policy=None, backend="eager"):
+    with fused_reruns(backend):
+        for layer in layers:
+            x = remat.checkpoint(layer, x, policy=policy) if policy is not None else layer(x)
+    return x
+
+
+def test_an_eager_fused_refill_is_bitwise_and_layers_share_one_graph(compiled):
+    layers, params = _stack()
+    x = torch.randn(4, 16, requires_grad=True)  # so the first layer saves what the others do
+    params = [x, *params]
+    policy = _keep(MM)
+    for step in range(3):
+        expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+        got = grads(lambda: _forward(layers, x, policy).sum(), params, seed=step)  # noqa: B023
+        assert_bitwise(expected[1], got[1])
+    assert len(compiled) == 1 and compiled[0] > 0  # three layers alike: one structure, compiled once
+    assert len(fused_module._compiled) == 1
+
+
+def test_inductor_fuses_the_refill_and_gradients_match_to_rounding(compiled):
+    layers, params = _stack(depth=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+    policy = _keep(MM)
+    for step in range(2):
+        expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+        got = grads(lambda: _forward(layers, x, policy, "inductor").sum(), params, seed=step)  # noqa: B023
+        for a, b in zip(expected[1], got[1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(compiled) == 1
+    (call,) = fused_module._compiled.values()
+    assert call.compiled is not None  # Inductor compiled it: no fall-back to the eager graph
+
+
+class Noisy(torch.nn.Module):
+    """A layer with an out-of-place random op between its matmuls (dropout as CUDA runs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        return x + self.down(h * (torch.rand_like(h) > 0.25))
+
+
+def test_a_refill_that_draws_runs_op_by_op_under_the_forward_rng(compiled, monkeypatch):
+    drawn = []
+    real = fused_module.run
+    monkeypatch.setattr(fused_module, "run", lambda program, plan, *a: drawn.append(plan.draws) or real(program, plan,
+                                                                                                        *a))
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Noisy() for _ in range(2))
+    params = list(layers.parameters())
+    x = torch.randn(4, 16)
+    policy = _keep({torch.ops.aten.addmm.default})
+    for step in range(3):
+        expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+        got = grads(lambda: _forward(layers, x, policy).sum(), params, seed=step)  # noqa: B023
+        assert_bitwise(expected[1], got[1])
+    assert compiled == [] and drawn == [True] * 4  # both layers, in the two steps that followed their tapes
+
+
+def _broken(graph, inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_graph_the_compiler_rejects_runs_op_by_op_once_warned(compiled):
+    layers, params = _stack(depth=2)
+    x = torch.randn(4, 16)
+    policy = _keep(MM)
+    with pytest.warns(UserWarning, match="failed to compile"):
+        for step in range(3):
+            expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+            got = grads(lambda: _forward(layers, x, policy, _broken).sum(), params, seed=step)  # noqa: B023
+            assert_bitwise(expected[1], got[1])
+    assert all(call.compiled is None for call in fused_module._compiled.values())
+
+
+def test_backward_twice_and_outside_the_with_block_refills_fused_and_bitwise(compiled):
+    layers, params = _stack(depth=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+    policy = _keep(MM)
+    for step in range(3):
+        torch.manual_seed(step)
+        expected = torch.autograd.grad(_forward(layers, x).sum(), params)
+        torch.manual_seed(step)
+        loss = _forward(layers, x, policy).sum()  # the backward below runs outside fused_reruns
+        first = torch.autograd.grad(loss, params, retain_graph=True)
+        assert_bitwise(expected, first)
+        assert_bitwise(expected, torch.autograd.grad(loss, params))
+    assert len(compiled) == 1
+
+
+def test_under_autocast_the_fused_graph_runs_the_casts_forward_ran(compiled):
+    layers, params = _stack(depth=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+    policy = _keep(MM)
+
+    def run(policy):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _forward(layers, x, policy).float().sum()
+
+    for step in range(3):
+        expected = grads(lambda: run(None), params, seed=step)
+        got = grads(lambda: run(policy), params, seed=step)
+        assert_bitwise(expected[1], got[1])
+    assert len(compiled) == 1
+
+
+def test_a_hugging_face_llama_with_sdpa_refills_from_one_graph_bitwise(compiled):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    reference = transformers.LlamaForCausalLM(cfg).train()
+    reference.load_state_dict(model.state_dict())
+    remat.apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer",
+                                         policy=save_matmuls)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        expected = grads(lambda: reference(input_ids=ids, labels=ids).loss, list(reference.parameters()), step)
+        with fused_reruns("eager"):
+            got = grads(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()), step)
+        assert_bitwise(expected[1], got[1])
+    assert len(compiled) == 1 and compiled[0] > 20  # norms, rotary, SiLU and the gate product in one graph
