@@ -308,7 +308,17 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mo
         else:
             modes.append(Mode(key, f"remat plan {fraction:.0%} ({_decision_counts(plan)})", work.step,
                               lambda p=plan: _planned(model, p)))
-    return modes
+    return modes + [_fused(mode) for mode in modes if mode.key in FUSED_OF]
+
+
+def _fused(mode: Mode) -> Mode:
+    """``mode`` with its regions' reruns compiled into one graph each (``remat.policies.fused_reruns``)."""
+    @contextlib.contextmanager
+    def installed() -> Any:
+        with mode.installed(), remat.policies.fused_reruns():
+            yield
+
+    return Mode(f"{mode.key}-fused", f"{mode.label}, reruns fused", mode.step, installed, mode.refused)
 
 
 def _plan_key(fraction: float) -> str:
@@ -367,10 +377,12 @@ def _decision_counts(plan: remat.Plan) -> str:
     return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+# Modes also run with their reruns fused (key + "-fused"): the selective ones, whose regions refill from programs.
+FUSED_OF = ("remat-save-matmuls", "remat-elementwise", *(_plan_key(f) for f in PLAN_FRACTIONS))
 EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "remat-save-matmuls-rerun",
               "torch-save-all",
               "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
-              "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS)]
+              "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS), *(f"{k}-fused" for k in FUSED_OF)]
 COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",
                  *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS)]
 

@@ -19,7 +19,9 @@ recomputed, so what it costs above plain is the machinery alone).  Variants:
 * ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers),
   following each block's tape after its first call (:mod:`remat.policies.tape`) and refilled in backward
   from its program (:mod:`remat.policies.program`); ``remat-policy-rerun`` — the same with the block's
-  Python code rerun in backward instead (``tapes(True, programs=False)``);
+  Python code rerun in backward instead (``tapes(True, programs=False)``); ``remat-policy-fused`` — the
+  same with each refill compiled into one graph by Inductor (``remat.policies.fused_reruns()``: gradients
+  match to rounding, so ``--check`` compares it with a tolerance);
   ``remat-policy-recorded`` — the same under ``remat.policies.tapes(False)``: every call recorded;
 * ``torch-sac-all``, ``remat-all``, ``remat-all-recorded`` — the keep-everything policy, in torch's SAC,
   in remat with tapes, and in remat with every call recorded.
@@ -64,12 +66,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat import CheckpointPolicy
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.policies import Policy, tapes
+from remat.policies import Policy, fused_reruns, tapes
 from remat.policies.rules import MATMUL_OPS, save_matmuls
 from remat.tools.bench import Chain
 
 VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy", "remat-policy-rerun", "remat-policy-recorded",
-            "torch-sac-all", "remat-all", "remat-all-recorded")
+            "remat-policy-fused", "torch-sac-all", "remat-all", "remat-all-recorded")
 
 
 def keep_matmuls(ctx, op, *args, **kwargs):
@@ -125,6 +127,11 @@ def _recorded(run: Callable, follow: bool = False) -> Callable:
     return recorded
 
 
+def _fused(block, x):
+    with fused_reruns():
+        return block(x)
+
+
 _RUNS = {"full": remat.checkpoint, "torch-sac": _torch_sac, "remat-ctx": _remat_ctx, "torch-sac-all": _torch_sac_all,
          "remat-all": _remat_all, "remat-all-recorded": _recorded(_remat_all)}
 
@@ -133,12 +140,15 @@ def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
     """A copy of ``model`` whose blocks run under ``variant``."""
     model = copy.deepcopy(model)
     blocks = getattr(model, blocks_attr)
-    if variant in ("remat-policy", "remat-policy-rerun", "remat-policy-recorded"):
+    if variant in ("remat-policy", "remat-policy-rerun", "remat-policy-recorded",
+            "remat-policy-fused", "remat-policy-fused"):
         chosen = {id(block) for block in blocks}
         remat.apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, policy=save_matmuls)
         if variant != "remat-policy":
+            run = _fused if variant == "remat-policy-fused" else _recorded(
+                lambda b, x: b(x), follow=variant == "remat-policy-rerun")
             for i, block in enumerate(blocks):
-                blocks[i] = _Wrapped(block, _recorded(lambda b, x: b(x), follow=variant == "remat-policy-rerun"))
+                blocks[i] = _Wrapped(block, run)
     elif variant != "plain":
         for i, block in enumerate(blocks):
             blocks[i] = _Wrapped(block, _RUNS[variant])
@@ -227,6 +237,11 @@ def _step(model: nn.Module, loss: Callable, seed: int) -> None:
     loss(model).backward()
 
 
+def _same(a: torch.Tensor, b: torch.Tensor, variant: str) -> bool:
+    """Bitwise, or to rounding for fused reruns (a compiler reorders their reductions)."""
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-6) if variant.endswith("-fused") else torch.equal(a, b)
+
+
 def _quartiles(samples: list[float]) -> tuple[float, float, float]:
     q1, q2, q3 = statistics.quantiles(samples, n=4)
     return q1, statistics.median(samples), q3
@@ -246,7 +261,7 @@ def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: 
             found = [p.grad.clone() for p in models[v].parameters()]
             if reference is None:
                 reference = found
-            elif any(not torch.equal(a, b) for a, b in zip(reference, found)):
+            elif not all(_same(a, b, v) for a, b in zip(reference, found)):
                 raise AssertionError(f"{name}: {v}'s gradients differ from {variants[0]}'s")
     now = _CLOCKS[clock]
     times: dict[str, list[float]] = {v: [] for v in variants}

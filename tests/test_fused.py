@@ -4,6 +4,8 @@ With the ``eager`` backend the compiled graph runs the program's own ops, so gra
 checks the graph is the refill.  With Inductor they match to rounding (fusion reorders a reduction).
 """
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_bitwise, grads
@@ -170,3 +172,22 @@ def test_a_hugging_face_llama_with_sdpa_refills_from_one_graph_bitwise(compiled)
             got = grads(lambda: model(input_ids=ids, labels=ids).loss, list(model.parameters()), step)
         assert_bitwise(expected[1], got[1])
     assert len(compiled) == 1 and compiled[0] > 20  # norms, rotary, SiLU and the gate product in one graph
+
+
+def test_under_a_dispatch_mode_the_refill_runs_op_by_op_and_later_ones_still_fuse(compiled):
+    from helpers import CountOps
+
+    layers, params = _stack(depth=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+    policy = _keep(MM)
+    for step in range(4):
+        expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+        counter = CountOps({torch.ops.aten.rsqrt.default})
+        with counter if step == 1 else contextlib.nullcontext():
+            got = grads(lambda: _forward(layers, x, policy).sum(), params, seed=step)  # noqa: B023
+        assert_bitwise(expected[1], got[1])
+        if step == 1:
+            assert counter.count == 4  # each layer's norm, in forward and in its refill: the mode saw every op
+    (call,) = fused_module._compiled.values()
+    assert call.compiled is not None

@@ -10,7 +10,8 @@ The graph is the refill itself: the ops the schedule runs, with the region's inp
 read and the kept outputs served as its inputs, and the dropped saved tensors as its outputs.  Each is
 compiled once per structure (ops, constants, and the inputs' shapes, strides, dtypes and devices), so the
 layers of a model share one compilation.  Refills that draw random numbers run op by op, as do graphs the
-compiler rejects (a warning names the error once).
+compiler rejects (a warning names the error once) and refills under a dispatch mode (a memory tracker must
+see every op).
 
 Fused recomputation is not bitwise: a compiler reorders reductions and keeps intermediates in registers.
 Inductor is asked to round where eager rounds (``emulate_precision_casts``, division rounding), so what
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten
 
 from .program import _INPUT, _STATE, _STEP, Ref, _arguments, _Program, _Schedule, _Step, _value, run
@@ -240,7 +242,9 @@ class _Guarded:
         self.module = module
 
     def __call__(self, *arguments: torch.Tensor) -> Any:
-        if self.compiled is not None:
+        # A dispatch mode that is watching (a memory tracker, a profiler's op counter) must see every op, and
+        # torch.compile refuses to trace under one: this refill runs op by op.
+        if self.compiled is not None and _get_current_dispatch_mode() is None:
             try:
                 return self.compiled(*arguments)
             except Exception as error:  # noqa: BLE001 - any compiler failure leaves the eager graph correct
