@@ -77,24 +77,43 @@ def test_inductor_fuses_the_refill_and_gradients_match_to_rounding(compiled):
 
 
 class Noisy(torch.nn.Module):
-    """A layer with an out-of-place random op between its matmuls (dropout as CUDA runs it)."""
+    """A layer with out-of-place random ops between its matmuls (dropout as CUDA runs it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, draws: int) -> None:
         super().__init__()
         self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.draws = draws
 
     def forward(self, x):
         h = torch.relu(self.up(x))
-        return x + self.down(h * (torch.rand_like(h) > 0.25))
+        for _ in range(self.draws):
+            h = h * (torch.rand_like(h) > 0.25)
+        return x + self.down(h)
 
 
-def test_a_refill_that_draws_runs_op_by_op_under_the_forward_rng(compiled, monkeypatch):
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_one_random_op_runs_in_the_graph_and_draws_what_forward_drew(compiled, backend):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Noisy(draws=1) for _ in range(2))
+    params = list(layers.parameters())
+    x = torch.randn(4, 16)
+    policy = _keep({torch.ops.aten.addmm.default})
+    for step in range(3):
+        expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+        got = grads(lambda: _forward(layers, x, policy, backend).sum(), params, seed=step)  # noqa: B023
+        assert_bitwise(expected[1], got[1])  # a wrong draw would change a mask: no tolerance would hide it
+    assert len(compiled) == 1
+    (call,) = fused_module._compiled.values()
+    assert call.compiled is not None
+
+
+def test_a_refill_with_two_random_ops_runs_op_by_op_under_the_forward_rng(compiled, monkeypatch):
     drawn = []
     real = fused_module.run
     monkeypatch.setattr(fused_module, "run", lambda program, plan, *a: drawn.append(plan.draws) or real(program, plan,
                                                                                                         *a))
     torch.manual_seed(0)
-    layers = torch.nn.ModuleList(Noisy() for _ in range(2))
+    layers = torch.nn.ModuleList(Noisy(draws=2) for _ in range(2))
     params = list(layers.parameters())
     x = torch.randn(4, 16)
     policy = _keep({torch.ops.aten.addmm.default})
@@ -191,3 +210,22 @@ def test_under_a_dispatch_mode_the_refill_runs_op_by_op_and_later_ones_still_fus
             assert counter.count == 4  # each layer's norm, in forward and in its refill: the mode saw every op
     (call,) = fused_module._compiled.values()
     assert call.compiled is not None
+
+
+def test_a_checkpoint_without_policy_reruns_its_whole_program_fused(compiled):
+    layers, params = _stack(depth=3)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+
+    def run(wrap):
+        with fused_reruns("eager"):
+            h = x
+            for layer in layers:
+                h = wrap(layer, h)
+            return h.sum()
+
+    for step in range(3):
+        expected = grads(lambda: run(lambda layer, h: layer(h)), params, seed=step)
+        got = grads(lambda: run(remat.checkpoint), params, seed=step)
+        assert_bitwise(expected[1], got[1])
+    assert len(compiled) == 1 and compiled[0] > 8  # the matmuls rerun in the graph too

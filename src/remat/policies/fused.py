@@ -9,9 +9,17 @@ that read the layer's inputs once and write only the tensors backward needs.
 The graph is the refill itself: the ops the schedule runs, with the region's inputs, the module state they
 read and the kept outputs served as its inputs, and the dropped saved tensors as its outputs.  Each is
 compiled once per structure (ops, constants, and the inputs' shapes, strides, dtypes and devices), so the
-layers of a model share one compilation.  Refills that draw random numbers run op by op, as do graphs the
-compiler rejects (a warning names the error once) and refills under a dispatch mode (a memory tracker must
-see every op).
+layers of a model share one compilation.  Inside :func:`fused_reruns` a checkpoint without a policy keeps
+nothing as a policy (``save_nothing``), so that it follows its tape and its whole rerun is fused too.
+
+A random op in the graph (attention, which PyTorch marks random for its dropout) runs as eager runs it, from
+the generator where the replay put it (forward's state at the region's start): with nothing random before
+it, it draws what forward drew.  These run op by op instead:
+
+- refills with two or more random ops (a compiler may reorder them);
+- graphs the compiler rejects (a warning names the error, once);
+- refills under a dispatch mode (a memory tracker must see every op; torch.compile refuses to trace under
+  one).
 
 Fused recomputation is not bitwise: a compiler reorders reductions and keeps intermediates in registers.
 Inductor is asked to round where eager rounds (``emulate_precision_casts``, division rounding), so what
@@ -47,7 +55,9 @@ _CONSTANTS = (int, float, bool, str, complex, type(None), torch.dtype, torch.dev
               torch.memory_format)
 _COMPILED_KEPT = 64  # compiled graphs kept (structures × shapes)
 _compiled: OrderedDict[tuple, Callable | None] = OrderedDict()  # None: the compiler rejected it
-_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True}
+# Round where eager rounds; run random ops as eager does, from the generator the replay set (see run_fused).
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
+                     "fallback_random": True}
 
 
 @contextlib.contextmanager
@@ -127,10 +137,10 @@ def _fused(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], s
 
 def _build(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], served: dict[int, Any],
            backend: str) -> _Fused | None:
-    if plan.draws:
-        return None  # a compiled graph draws from its own generator, not from where forward drew
-    graph = _GraphWriter()
     steps = program.steps
+    if sum(steps[n].random for n in plan.order if n not in plan.served) > 1:
+        return None  # the compiler may reorder random ops, and each must draw where forward drew
+    graph = _GraphWriter()
     key: list[Any] = [backend]
     for number in plan.order:
         if number in plan.served:
