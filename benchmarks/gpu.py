@@ -377,8 +377,8 @@ def _decision_counts(plan: remat.Plan) -> str:
     return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-# Modes also run with their reruns fused (key + "-fused"): the selective ones, whose regions refill from programs.
-FUSED_OF = ("remat-save-matmuls", "remat-elementwise", *(_plan_key(f) for f in PLAN_FRACTIONS))
+# Modes also run with their reruns fused (key + "-fused", remat.policies.fused_reruns): checkpoint and policies.
+FUSED_OF = ("remat-ckpt", "remat-save-matmuls", "remat-elementwise", *(_plan_key(f) for f in PLAN_FRACTIONS))
 EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "remat-save-matmuls-rerun",
               "torch-save-all",
               "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
