@@ -61,9 +61,9 @@ _INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_r
 
 
 @contextlib.contextmanager
-def fused_reruns(backend: str = "inductor") -> Iterator[None]:
+def fused_reruns(backend: str | None = "inductor") -> Iterator[None]:
     """Mark the selective regions whose forward runs inside to refill their dropped tensors with one compiled
-    graph per region (``backend`` as ``torch.compile`` takes it), rather than op by op.
+    graph per region (``backend`` as ``torch.compile`` takes it), rather than op by op (``None``: op by op).
 
     It applies to regions that follow their tapes and have a program (:mod:`remat.policies.program`); the
     backward may run outside the ``with``.  Gradients match plain autograd to rounding, not bitwise.
