@@ -9,8 +9,10 @@ that read the layer's inputs once and write only the tensors backward needs.
 The graph is the refill itself: the ops the schedule runs, with the region's inputs, the module state they
 read and the kept outputs served as its inputs, and the dropped saved tensors as its outputs.  Each is
 compiled once per structure (ops, constants, and the inputs' shapes, strides, dtypes and devices), so the
-layers of a model share one compilation.  Inside :func:`fused_reruns` a checkpoint without a policy keeps
-nothing as a policy (``save_nothing``), so that it follows its tape and its whole rerun is fused too.
+layers of a model share one compilation; the backend is handed the graph as dynamo would hand it one, with
+no per-call guards (the key already pins what they would check).  Inside :func:`fused_reruns` a checkpoint
+without a policy keeps nothing as a policy (``save_nothing``), so that it follows its tape and its whole
+rerun is fused too.
 
 A random op in the graph (attention, which PyTorch marks random for its dropout) runs as eager runs it, from
 the generator where the replay put it (forward's state at the region's start): with nothing random before
@@ -18,8 +20,7 @@ it, it draws what forward drew.  These run op by op instead:
 
 - refills with two or more random ops (a compiler may reorder them);
 - graphs the compiler rejects (a warning names the error, once);
-- refills under a dispatch mode (a memory tracker must see every op; torch.compile refuses to trace under
-  one).
+- refills under a dispatch mode (a memory tracker must see every op).
 
 Fused recomputation is not bitwise: a compiler reorders reductions and keeps intermediates in registers.
 Inductor is asked to round where eager rounds (``emulate_precision_casts``, division rounding), so what
@@ -54,7 +55,7 @@ _backend: list[str | None] = [None]
 _CONSTANTS = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
               torch.memory_format)
 _COMPILED_KEPT = 64  # compiled graphs kept (structures × shapes)
-_compiled: OrderedDict[tuple, Callable | None] = OrderedDict()  # None: the compiler rejected it
+_compiled: OrderedDict[tuple, _Compiled] = OrderedDict()
 # Round where eager rounds; run random ops as eager does, from the generator the replay set (see run_fused).
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True, "eager_numerics.division_rounding": True,
                      "fallback_random": True}
@@ -230,39 +231,56 @@ class _Lookup:
         return self.get(where)
 
 
-def _compile(key: tuple, graph: _GraphWriter, backend: str) -> Callable | None:
+def _compile(key: tuple, graph: _GraphWriter, backend: Any) -> _Compiled:
     if key in _compiled:
         _compiled.move_to_end(key)
         return _compiled[key]
-    module = torch.fx.GraphModule(torch.nn.Module(), graph.graph)
-    options = _INDUCTOR_OPTIONS if backend == "inductor" else None
-    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False, options=options)
-    call = _Guarded(compiled, module)
-    _compiled[key] = call
+    call = _compiled[key] = _Compiled(torch.fx.GraphModule(torch.nn.Module(), graph.graph), backend)
     if len(_compiled) > _COMPILED_KEPT:
         _compiled.popitem(last=False)
     return call
 
 
-class _Guarded:
-    """A compiled refill that falls back to running its graph op by op (once warned) if the compiler fails."""
+class _Compiled:
+    """A refill's graph, compiled at its first call outside any dispatch mode, or run op by op.
 
-    def __init__(self, compiled: Callable, module: torch.fx.GraphModule) -> None:
-        self.compiled: Callable | None = compiled
-        self.module = module
+    The backend is handed the graph directly, as dynamo hands it the graphs it captures: the structural key
+    already pins every input's layout, so dynamo's per-call guards (some 60 µs a call) would check nothing
+    more.  A dispatch mode that is watching (a memory tracker, an op counter) must see every op, and the
+    compiler would trace under it: such a refill runs op by op.  If the compiler fails, a warning names the
+    error once and the graph runs op by op from then on.
+    """
+
+    def __init__(self, module: torch.fx.GraphModule, backend: Any) -> None:
+        self.module, self.backend = module, backend
+        self.compiled: Callable | None = None
+        self.failed = False
 
     def __call__(self, *arguments: torch.Tensor) -> Any:
-        # A dispatch mode that is watching (a memory tracker, a profiler's op counter) must see every op, and
-        # torch.compile refuses to trace under one: this refill runs op by op.
-        if self.compiled is not None and _get_current_dispatch_mode() is None:
-            try:
+        if _get_current_dispatch_mode() is None and not self.failed:
+            if self.compiled is None:
+                self.compiled = self._compile(list(arguments))
+            if self.compiled is not None:
                 return self.compiled(*arguments)
-            except Exception as error:  # noqa: BLE001 - any compiler failure leaves the eager graph correct
-                warnings.warn(f"remat: a fused rerun failed to compile ({type(error).__name__}: {error}); "
-                              "this region's reruns run op by op", stacklevel=2)
-                self.compiled = None
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return self.module(*arguments)
+
+    def _compile(self, arguments: list[torch.Tensor]) -> Callable | None:
+        from torch._dynamo import lookup_backend  # loaded on first use: `import remat` stays light
+
+        options = contextlib.nullcontext()
+        if self.backend == "inductor":
+            import torch._inductor.config as inductor_config
+
+            options = inductor_config.patch(_INDUCTOR_OPTIONS)
+        try:
+            with options:
+                return lookup_backend(self.backend)(self.module, arguments)
+        except Exception as error:  # noqa: BLE001 - any compiler failure leaves the eager graph correct
+            warnings.warn(f"remat: a fused rerun failed to compile ({type(error).__name__}: {error}); "
+                          "this region's reruns run op by op", stacklevel=3)
+            self.failed = True
+            return None
 
 
 _UNFIT = object()
