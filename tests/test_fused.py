@@ -27,7 +27,7 @@ def compiled(monkeypatch):
 
     def counting(key, graph, backend):
         if key not in fused_module._compiled:
-            seen.append(sum(node.op == "call_function" for node in graph.graph.nodes))
+            seen.append(sum(node.op == "call_function" for node in graph.nodes))
         return real(key, graph, backend)
 
     monkeypatch.setattr(fused_module, "_compile", counting)
@@ -229,3 +229,72 @@ def test_a_checkpoint_without_policy_reruns_its_whole_program_fused(compiled):
         got = grads(lambda: run(remat.checkpoint), params, seed=step)
         assert_bitwise(expected[1], got[1])
     assert len(compiled) == 1 and compiled[0] > 8  # the matmuls rerun in the graph too
+
+
+class Signed(torch.nn.Module):
+    """A layer whose rerun takes a constant that only its sign tells apart from another's."""
+
+    def __init__(self, zero: float) -> None:
+        super().__init__()
+        self.lin, self.zero = torch.nn.Linear(16, 16), zero
+
+    def forward(self, x):
+        return torch.atan2(torch.full_like(x, self.zero) + 0 * self.lin(x), -torch.ones_like(x)).sin() * x
+
+
+def test_constants_equal_as_numbers_but_not_as_bits_get_graphs_of_their_own(compiled):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Signed(0.0), Signed(-0.0)])
+    x = torch.randn(4, 16, requires_grad=True)
+    policy = _keep(MM)
+    for step in range(3):
+        for layer in layers:
+            params = [x, *layer.parameters()]
+            expected = grads(lambda: layer(x).sum(), params, seed=step)  # noqa: B023
+            got = grads(lambda: _forward([layer], x, policy).sum(), params, seed=step)  # noqa: B023
+            assert_bitwise(expected[1], got[1])
+    assert len(compiled) == 2
+
+
+def test_another_backend_gets_its_own_graph(compiled):
+    layers, params = _stack(depth=1)
+    x = torch.randn(4, 16, requires_grad=True)
+    seen = []
+
+    def backend(name):
+        def compile_(graph, inputs):
+            seen.append(name)
+            return graph.forward
+        return compile_
+
+    first, second = backend("first"), backend("second")
+    policy = _keep(MM)
+    for chosen in (first, first, second):
+        loss = _forward(layers, x, policy, chosen).sum()
+        loss.backward()
+    assert seen == ["first", "second"]
+
+
+def test_a_flop_counter_sees_the_refill_op_by_op(compiled):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    layers, params = _stack(depth=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+    policy = _keep(MM)
+    for step in range(3):
+        with FlopCounterMode(display=False) if step == 1 else contextlib.nullcontext():  # its hooks order sums
+            torch.manual_seed(step)
+            _forward(layers, x).sum().backward()
+        expected = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        counter = FlopCounterMode(display=False)
+        with counter if step == 1 else contextlib.nullcontext():  # its module tracker hooks every module call
+            torch.manual_seed(step)
+            _forward(layers, x, policy).sum().backward()
+        assert_bitwise(expected, [p.grad for p in params])
+        for p in params:
+            p.grad = None
+        if step == 1:
+            assert counter.get_total_flops() > 0

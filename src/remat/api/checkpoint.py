@@ -124,15 +124,15 @@ def checkpoint(
             )
         if context_fn is not noop_context_fn or debug:
             raise ValueError("remat: context_fn, policy and debug need use_reentrant=False.")
-    if context_fn is noop_context_fn and not use_reentrant and not debug and current_backend() is not None:
-        # A region that keeps nothing, as a policy: it follows its tape, and its rerun is the program's,
-        # compiled into one graph (remat.policies.fused_reruns); the gradients are those of the plain rerun.
-        context_fn = functools.partial(create_selective_checkpoint_contexts, save_nothing)
     metadata_fn = metadata_fn_for(determinism_check)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and
         # dispatch modes would be baked into a graph that saves other tensors than the recomputation refills.
         return checkpoint_in_graph(function, args, kwargs, None if context_fn is noop_context_fn else context_fn)
+    if context_fn is noop_context_fn and not use_reentrant and not debug and current_backend() is not None:
+        # A region that keeps nothing, as a policy: it follows its tape, and its rerun is the program's,
+        # compiled into one graph (remat.policies.fused_reruns); the gradients are those of the plain rerun.
+        context_fn = functools.partial(create_selective_checkpoint_contexts, save_nothing)
     if use_reentrant:
         return CheckpointFunction.apply(function, preserve_rng_state, *args)
     return run_nonreentrant(

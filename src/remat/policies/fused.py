@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import struct
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +54,7 @@ from .program import _INPUT, _STATE, _STEP, Ref, _arguments, _Program, _Schedule
 __all__ = ["fused_reruns"]
 
 _backend: list[str | None] = [None]
-_CONSTANTS = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout,
+_CONSTANTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
               torch.memory_format)
 _COMPILED_KEPT = 64  # compiled graphs kept (structures × shapes)
 _compiled: OrderedDict[tuple, _Compiled] = OrderedDict()
@@ -87,17 +89,30 @@ def current_backend() -> str | None:
     return _backend[0]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Fused:
-    """One refill as a compiled graph: where each graph input comes from, and which pack each output fills."""
+    """One refill as a compiled graph: where each graph input comes from, and which pack each output fills.
 
-    call: Callable
+    The compiled graph itself belongs to the shared cache (bounded): this holds its key and a weak reference,
+    and compiles again where the cache let it go."""
+
+    key: tuple
+    graph: torch.fx.Graph
+    backend: Any
     sources: tuple[Ref, ...]  # (_INPUT, position, 0), (_STATE, index, 0) or (_STEP, served step, leaf)
     outputs: tuple[int, ...]  # pack index of each graph output
+    compiled: Callable[[], _Compiled | None] = lambda: None
+
+    def call(self, *arguments: torch.Tensor) -> Any:
+        compiled = self.compiled()
+        if compiled is None:
+            compiled = _compile(self.key, self.graph, self.backend)
+            self.compiled = weakref.ref(compiled)
+        return compiled(*arguments)
 
 
 def run_fused(program: _Program, plan: _Schedule, count: int, inputs: Sequence[torch.Tensor],
-              serve: Callable[[_Step], Any], backend: str) -> list[Any]:
+              serve: Callable[[_Step], Any], backend: Any) -> list[Any]:
     """:func:`~.program.run`, with the ops compiled into one graph by ``backend`` where it can be.
 
     Example:
@@ -105,7 +120,9 @@ def run_fused(program: _Program, plan: _Schedule, count: int, inputs: Sequence[t
     """
     steps = program.steps
     served = {number: serve(steps[number]) for number in plan.order if number in plan.served}
-    fused = _fused(program, plan, inputs, served, backend)
+    # A dispatch mode that is watching (a memory tracker, a FLOP counter) must see every op, as the program runs
+    # them: a compiler would trace under it, and a graph module's call would show it a module that is not there.
+    fused = _fused(program, plan, inputs, served, backend) if _get_current_dispatch_mode() is None else None
     if fused is None:
         by_step = {id(steps[number]): value for number, value in served.items()}
         return run(program, plan, count, inputs, lambda step: by_step[id(step)])
@@ -124,15 +141,20 @@ def run_fused(program: _Program, plan: _Schedule, count: int, inputs: Sequence[t
     return result
 
 
+_FUSED_PER_PROGRAM = 16  # as many as a program keeps schedules
+
+
 def _fused(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], served: dict[int, Any],
-           backend: str) -> _Fused | None:
-    """The compiled graph for ``plan`` (built on its first refill, then kept with the program); None where it
-    runs op by op."""
-    found = program.fused.get(id(plan))
-    if found is not None and found[0] is plan:
-        return found[1]
+           backend: Any) -> _Fused | None:
+    """The compiled graph for ``plan`` under ``backend`` (built on its first refill, then kept with the
+    program); None where it runs op by op."""
+    found = program.fused.get((id(plan), id(backend)))
+    if found is not None and found[0] is plan and found[1] is backend:
+        return found[2]
     fused = _build(program, plan, inputs, served, backend)
-    program.fused[id(plan)] = (plan, fused)
+    if len(program.fused) >= _FUSED_PER_PROGRAM:
+        program.fused.pop(next(iter(program.fused)))
+    program.fused[(id(plan), id(backend))] = (plan, backend, fused)
     return fused
 
 
@@ -163,7 +185,7 @@ def _build(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], s
         t = _source(ref, inputs, program, served)
         key.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.is_conj(), t.is_neg()))
     key.append(tuple(graph.local(ref) for _, ref in outputs))
-    return _Fused(_compile(tuple(key), graph, backend), sources, tuple(index for index, _ in outputs))
+    return _Fused(tuple(key), graph.graph, backend, sources, tuple(index for index, _ in outputs))
 
 
 class _GraphWriter:
@@ -231,24 +253,23 @@ class _Lookup:
         return self.get(where)
 
 
-def _compile(key: tuple, graph: _GraphWriter, backend: Any) -> _Compiled:
+def _compile(key: tuple, graph: torch.fx.Graph, backend: Any) -> _Compiled:
     if key in _compiled:
         _compiled.move_to_end(key)
         return _compiled[key]
-    call = _compiled[key] = _Compiled(torch.fx.GraphModule(torch.nn.Module(), graph.graph), backend)
+    call = _compiled[key] = _Compiled(torch.fx.GraphModule(torch.nn.Module(), graph), backend)
     if len(_compiled) > _COMPILED_KEPT:
         _compiled.popitem(last=False)
     return call
 
 
 class _Compiled:
-    """A refill's graph, compiled at its first call outside any dispatch mode, or run op by op.
+    """A refill's graph, compiled at its first call, or run op by op where the compiler failed.
 
     The backend is handed the graph directly, as dynamo hands it the graphs it captures: the structural key
     already pins every input's layout, so dynamo's per-call guards (some 60 µs a call) would check nothing
-    more.  A dispatch mode that is watching (a memory tracker, an op counter) must see every op, and the
-    compiler would trace under it: such a refill runs op by op.  If the compiler fails, a warning names the
-    error once and the graph runs op by op from then on.
+    more.  If the compiler fails, a warning names the error once and the graph runs op by op from then on;
+    an error while the compiled graph runs (out of memory) is the caller's.
     """
 
     def __init__(self, module: torch.fx.GraphModule, backend: Any) -> None:
@@ -257,13 +278,12 @@ class _Compiled:
         self.failed = False
 
     def __call__(self, *arguments: torch.Tensor) -> Any:
-        if _get_current_dispatch_mode() is None and not self.failed:
-            if self.compiled is None:
-                self.compiled = self._compile(list(arguments))
-            if self.compiled is not None:
-                return self.compiled(*arguments)
+        if self.compiled is None and not self.failed:
+            self.compiled = self._compile(list(arguments))
+        if self.compiled is not None:
+            return self.compiled(*arguments)
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            return self.module(*arguments)
+            return self.module.forward(*arguments)
 
     def _compile(self, arguments: list[torch.Tensor]) -> Callable | None:
         from torch._dynamo import lookup_backend  # loaded on first use: `import remat` stays light
@@ -294,6 +314,10 @@ def _frozen(value: Any) -> Any:
     if isinstance(value, dict):
         items = tuple((k, _frozen(v)) for k, v in value.items())
         return _UNFIT if any(i is _UNFIT for _, i in items) else (dict, items)
+    if isinstance(value, float):  # by its bits: 0.0 == -0.0, and nan != nan
+        return (float, struct.pack("<d", value))
+    if isinstance(value, complex):
+        return (complex, struct.pack("<dd", value.real, value.imag))
     if isinstance(value, _CONSTANTS):
         return (type(value), value)
     return _UNFIT

@@ -108,7 +108,7 @@ class _Program:
     previous_draw: list[int]  # per step, the random step before it (-1: none)
     kept_steps: tuple[int, ...] = ()  # steps whose outputs the follower captures (served when kept)
     schedules: dict[tuple, _Schedule] = field(default_factory=dict)  # by wanted packs and servable steps
-    fused: dict[int, tuple] = field(default_factory=dict)  # id(schedule) -> (it, its compiled graph) (.fused)
+    fused: dict[tuple, tuple] = field(default_factory=dict)  # its compiled refills, by schedule and backend (.fused)
 
 
 @dataclass(frozen=True)

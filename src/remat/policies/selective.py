@@ -396,7 +396,7 @@ class _Replayer(TorchDispatchMode):
         self._begin()
         try:
             with rng() if plan.draws else contextlib.nullcontext():
-                if store.fuse is not None:  # a refill that draws runs op by op (see .fused)
+                if store.fuse is not None:  # compiled into one graph where it can be (see .fused)
                     return run_fused(program, plan, count, inputs, self._serve_step, store.fuse)
                 return run(program, plan, count, inputs, self._serve_step)
         finally:
