@@ -162,6 +162,28 @@ def test_batchnorm_in_eval_mode_with_an_inplace_relu_runs_its_program(runs):
     assert len(runs) == 4
 
 
+def test_batchnorm_statistics_no_op_shows_written_get_no_program(runs):
+    # Without its batch counter, BatchNorm in training writes nothing in place that an op's schema shows:
+    # native_batch_norm updates the running statistics all the same.
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+            self.norm.num_batches_tracked = None
+
+        def forward(self, x):
+            return self.norm(self.linear(x)).sin()
+
+    torch.manual_seed(0)
+    reference, model, policy = Normed(), Normed(), _keep()
+    model.load_state_dict(reference.state_dict())
+    wrapped = remat.checkpoint_wrapper(model, checkpoint_fn=functools.partial(remat.checkpoint, policy=policy))
+    x = torch.randn(4, 8, requires_grad=True)
+    _steps(lambda: reference(x), lambda: wrapped(x), [x, *reference.parameters()], [x, *model.parameters()])
+    assert_bitwise(list(reference.buffers()), list(model.buffers()))
+    assert "running statistics" in _tape(policy).no_program and runs == []
+
+
 def test_a_residual_add_in_place_is_seen_through_a_view_taken_before_it(runs):
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)

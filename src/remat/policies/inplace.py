@@ -15,7 +15,9 @@ A region gets no program where rerunning a write could differ from forward:
 - the op writes an argument other than the ``self`` it returns (``out=``, several), or changes a tensor's
   shape or memory rather than its values (``resize_``, ``set_``, ``t_``: tagged ``inplace_view``);
 - autograd saved a tensor on that memory before the write: a refill would return the written value (plain
-  autograd raises there when backward reads it).
+  autograd raises there when backward reads it);
+- an op updates running statistics its schema does not declare (``native_batch_norm`` in training, and its
+  cuDNN and MIOpen forms): a rerun would update them again.
 
 Memory an ``empty``-like op made, or an op that ran with grad disabled, may still be read once an op with grad
 enabled has overwritten all of it without reading it (:data:`_FULL_WRITES`: ``bernoulli_``, ``uniform_``,
@@ -51,6 +53,7 @@ def _overloads(*names: str) -> frozenset:
 # ``self``'s shape).
 _FULL_WRITES = _overloads("bernoulli_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_",
                           "log_normal_", "random_", "fill_.Scalar", "fill_.Tensor", "zero_.default", "copy_.default")
+_STATISTICS = ("running_mean", "running_var")
 
 
 @dataclass
@@ -135,3 +138,22 @@ def covers(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements are all of its memory's bytes (a write to each leaves nothing of what was there)."""
     return (t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
             and is_non_overlapping_and_dense_or_false(t))
+
+
+def updates_statistics(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``op`` writes running statistics its schema does not mark written (batch norm in training)."""
+    arguments = op._schema.arguments
+    names = [a.name for a in arguments]
+    if not any(name in _STATISTICS for name in names) or any(
+            word in op._schema.name for word in ("no_update", "no_training", "functional")):
+        return False
+
+    def given(name: str) -> Any:
+        position = names.index(name)
+        return args[position] if position < len(args) else kwargs.get(name, arguments[position].default_value)
+
+    declared = {a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write}
+    if not any(name in names and name not in declared and isinstance(given(name), torch.Tensor)
+               for name in _STATISTICS):
+        return False
+    return "training" not in names or bool(given("training"))

@@ -24,7 +24,9 @@ from that rerun:
 - an op writes in place where a rerun could differ from forward (:mod:`.inplace`): memory the region did
   not make (an input, a parameter or buffer, a view of one: a rerun would write it again), an argument
   other than the ``self`` it returns (``out=``), a tensor's shape or memory (``resize_``, ``set_``), or
-  memory autograd saved a tensor on before the write;
+  memory autograd saved a tensor on before the write; or an op updates running statistics its schema does
+  not show written (``native_batch_norm`` in training, without BatchNorm's batch counter): a rerun would
+  update them again;
 - an op returns a Python value (``.item()``), or Python reads a tensor's data (``tolist``, ``numpy``,
   ``__array__``, ``__dlpack__``, ``data_ptr``): later ops were given what it read as a constant, or a
   kernel the program cannot see wrote there;
@@ -71,7 +73,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .inplace import _FULL_WRITES, _Memory, covers
+from .inplace import _FULL_WRITES, _Memory, covers, updates_statistics
 from .rngwatch import _RngWatch
 
 __all__: list[str] = []
@@ -185,7 +187,9 @@ class _ProgramWriter:
         if not isinstance(op, torch._ops.OpOverload):
             return self._refuse(f"{op} is not an ATen operator")
         mutable = op._schema.is_mutable
-        why = self.memory.refusal(op, args, out) if mutable else None
+        why = self.memory.refusal(op, args, out) if mutable else (
+            f"{op} updates running statistics in place, which its schema does not show"
+            if updates_statistics(op, args, kwargs) else None)
         if why is not None:
             return self._refuse(why)
         if torch.Tag.dynamic_output_shape in op.tags and (op is not torch.ops.aten.index.Tensor or any(
