@@ -299,6 +299,21 @@ def test_an_inplace_op_on_a_module_buffer_gets_no_program_and_writes_it_once(run
     assert runs == []
 
 
+def test_an_inplace_op_on_a_sparse_tensor_from_outside_gets_no_program_rather_than_an_error(runs):
+    indices = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+    adjacency = torch.sparse_coo_tensor(indices, torch.ones(4), (4, 4), check_invariants=True).coalesce()
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def fn(t):
+        adjacency.mul_(1)  # a sparse tensor has no memory to tell apart
+        return torch.sparse.mm(adjacency, (t @ w).sin()).cos()
+
+    policy = _keep(MM)
+    _steps(lambda: fn(x), lambda: remat.checkpoint(fn, x, policy=policy), [x, w])
+    assert "did not make" in _tape(policy).no_program and runs == []
+
+
 class _WritesItsInput(nn.Module):
     def __init__(self, view: bool) -> None:
         super().__init__()

@@ -54,6 +54,12 @@ def _overloads(*names: str) -> frozenset:
 _FULL_WRITES = _overloads("bernoulli_", "uniform_", "normal_", "exponential_", "geometric_", "cauchy_",
                           "log_normal_", "random_", "fill_.Scalar", "fill_.Tensor", "zero_.default", "copy_.default")
 _STATISTICS = ("running_mean", "running_var")
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tracked(t: torch.Tensor) -> bool:
+    """A tensor whose memory can be told apart (not a subclass, sparse, or on the meta device)."""
+    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.device.type != "meta"
 
 
 @dataclass
@@ -72,7 +78,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 class _Memory:
     """While recording: the memory the region's ops allocated, the last in-place write to each, and which of
-    it autograd saved.  Takes tensors the program can track (plain, strided, not on the meta device)."""
+    it autograd saved.  Its methods but :meth:`refusal` take tensors :func:`_tracked` accepts."""
 
     def __init__(self) -> None:
         self.made: dict[tuple, _Made] = {}
@@ -111,7 +117,7 @@ class _Memory:
             return f"{op} writes to an argument other than the self it returns (out= or several)"
         if torch.Tag.inplace_view in op.tags:
             return f"{op} changes a tensor's shape or memory in place"
-        made = self.lookup(args[0])
+        made = self.lookup(args[0]) if _tracked(args[0]) else None
         if made is None:
             return (f"{op} writes in place to memory the region did not make (an input, a parameter or buffer, a "
                     "tensor from outside or a view of one): a rerun would write it again")

@@ -73,7 +73,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .inplace import _FULL_WRITES, _Memory, covers, updates_statistics
+from .inplace import _FULL_WRITES, _Memory, _tracked, covers, updates_statistics
 from .rngwatch import _RngWatch
 
 __all__: list[str] = []
@@ -82,7 +82,6 @@ __all__: list[str] = []
 _STEP, _INPUT, _STATE = 0, 1, 2
 Ref = tuple[int, int, int]
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _MASKS = (torch.bool, torch.uint8)
 _UNINITIALIZED = frozenset(
     getattr(getattr(torch.ops.aten, name), overload)
@@ -135,11 +134,6 @@ class _Schedule:
     frees: dict[int, tuple[int, ...]]  # step -> the steps whose outputs it reads last
     results: dict[int, tuple[tuple[int, int], ...]]  # step -> (pack index, output leaf) it refills
     direct: tuple[tuple[int, Ref], ...]  # (pack index, source) refilled from inputs or outside tensors
-
-
-def _tracked(t: torch.Tensor) -> bool:
-    """A tensor whose memory can be told apart (not a subclass, sparse, or on the meta device)."""
-    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.device.type != "meta"
 
 
 def _key(t: torch.Tensor) -> tuple:
