@@ -287,6 +287,24 @@ def test_the_demo_gpt_with_dropout_trains_bitwise_over_steps():
         assert_bitwise(expected[1], got[1])
 
 
+def test_memory_a_dropped_mask_left_is_not_taken_for_a_draw_when_reused():
+    # Dropout's mask is dropped (recomputed), so its memory is free once dropout returns, and the kept product
+    # is often made there: it is still held and captured, so the region follows its tape.
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def fn(t):
+        h = torch.nn.functional.dropout(t.sin(), 0.5)
+        return (h @ w).cos()
+
+    for _ in range(40):  # the allocator reuses the address in about one call in six
+        policy, _ = _counting(_keep_matmuls)
+        for _ in range(2):
+            remat.checkpoint(fn, x, policy=policy).sum().backward()
+        (entry,) = _books[policy].tapes.values()
+        assert entry[1] is not None
+
+
 def test_a_kept_op_with_an_empty_output_follows_its_tape():
     # Batch norm in eval mode returns two empty statistics besides its output: nothing can capture them, nor
     # needs to (the follower makes them afresh).

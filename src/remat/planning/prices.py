@@ -27,8 +27,9 @@ runs only the ops the saved tensors need (as the program written while profiling
 ``program_op`` of host time each, and keeping an op the program would not run, or a draw a later one
 reruns, spares nothing.  Its forward is priced as a region following its tape runs it, with no dispatch
 mode at all: the policies of plans always can (regions that cannot, such as those keeping an in-place random
-draw by value, are priced low).  Keeping op ``i`` spares its kernel: ``max(kernels − Σ gains, host)``.  On an H100
-Llama layer this gives checkpoint 2.31 ms (measured 2.30) and ``save_matmuls`` 1.7 ms (measured 1.42).
+draw by value, are priced low; :mod:`.fronts` prices those as reruns of their Python code, not programs).
+Keeping op ``i`` spares its kernel: ``max(kernels − Σ gains, host)``.  On an H100 Llama layer this gives
+checkpoint 2.31 ms (measured 2.30) and ``save_matmuls`` 1.7 ms (measured 1.42).
 
 On either device, a random in-place op kept by value gains its kernel less two copies of its bytes, forward's
 and the replay's.

@@ -13,12 +13,20 @@ kept outputs served instead of rerun: no module code, no dispatch mode, and no o
 needs.  A policy that keeps a layer's matmuls reruns its norms, rotary embedding and activations only.
 
 Each call runs below autograd and autocast, as it ran in forward (its arguments were already cast there),
-and every intermediate is let go after its last use in the run.
+and every intermediate is let go after its last use in the run.  An in-place op on memory the region made
+(dropout's mask on the CPU, an in-place ReLU, a residual ``add_``, ``masked_fill_``) is a step like any
+other, writing what the run made (:mod:`.inplace`): a step reading that memory through another tensor runs
+after the write, and a kept output a step of the run writes is rerun rather than served.
 
 A region gets no program (its replay reruns the Python forward, as before) where a direct run could differ
 from that rerun:
 
-- an op writes to its input (in-place or ``out=``): its value would depend on what ran before;
+- an op writes in place where a rerun could differ from forward (:mod:`.inplace`): memory the region did
+  not make (an input, a parameter or buffer, a view of one: a rerun would write it again), an argument
+  other than the ``self`` it returns (``out=``), a tensor's shape or memory (``resize_``, ``set_``), or
+  memory autograd saved a tensor on before the write; or an op updates running statistics its schema does
+  not show written (``native_batch_norm`` in training, without BatchNorm's batch counter): a rerun would
+  update them again;
 - an op returns a Python value (``.item()``), or Python reads a tensor's data (``tolist``, ``numpy``,
   ``__array__``, ``__dlpack__``, ``data_ptr``): later ops were given what it read as a constant, or a
   kernel the program cannot see wrote there;
@@ -26,9 +34,9 @@ from that rerun:
   a module the region calls nor saved by autograd (a tensor from a closure or a global that only feeds an
   addition, say: the follower could not tell whether a later call reads another one);
 - a custom ``autograd.Function`` runs in the region (its kernels may be Triton or an extension's, which
-  write what no aten op shows), a tensor made by ``empty`` and friends is read (something the program
-  cannot see filled it), or a tensor made with grad disabled is read (a custom Function's forward, or a
-  ``no_grad`` block: where extensions write buffers);
+  write what no aten op shows), or a tensor made by ``empty`` and friends (something the program cannot see
+  may have filled it) or made with grad disabled (a custom Function's forward, or a ``no_grad`` block: where
+  extensions write buffers) is read before an op overwrote all of it (``bernoulli_``, ``fill_``, ``copy_``);
 - an op's output shape depends on values (``nonzero``, a boolean mask): later ops took its shape as a
   constant;
 - a tensor is a subclass, on the meta device, or functorch transforms are active.
@@ -65,13 +73,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .inplace import _FULL_WRITES, _Memory, _tracked, covers, updates_statistics
+from .rngwatch import _RngWatch
+
 __all__: list[str] = []
 
 # Where a tensor argument comes from: (_STEP, step, output leaf), (_INPUT, position, 0), (_STATE, index, 0).
 _STEP, _INPUT, _STATE = 0, 1, 2
 Ref = tuple[int, int, int]
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _MASKS = (torch.bool, torch.uint8)
 _UNINITIALIZED = frozenset(
     getattr(getattr(torch.ops.aten, name), overload)
@@ -94,6 +104,8 @@ class _Step:
     fills: tuple[tuple[Any, Ref], ...]  # (argument position, kwarg name or (position, list index), source)
     call: int | None  # the call index the policy's slot counts (None: an op no policy decides)
     random: bool
+    after: tuple[int, ...] = ()  # in-place writes it must run after: to memory it reads through another tensor
+    writes: int | None = None  # for an in-place op: the step that allocated the memory it writes (.inplace)
 
 
 @dataclass
@@ -102,6 +114,7 @@ class _Program:
 
     steps: list[_Step]
     packs: list[Ref]  # per saved tensor, in the pack hook's order
+    pack_after: list[tuple[int, ...]]  # per saved tensor, the in-place write to its memory it needs too
     state: list[weakref.ref]  # the tensors from outside the region the steps read
     checks: dict[int, list[tuple[str, str, int]]]  # module call -> (its dict, name, state index) to verify
     saved_state: dict[int, int]  # pack index -> state index of the tensor from outside autograd saves there
@@ -124,11 +137,6 @@ class _Schedule:
     direct: tuple[tuple[int, Ref], ...]  # (pack index, source) refilled from inputs or outside tensors
 
 
-def _tracked(t: torch.Tensor) -> bool:
-    """A tensor whose memory can be told apart (not a subclass, sparse, or on the meta device)."""
-    return type(t) in _PLAIN_TYPES and t.layout == torch.strided and t.device.type != "meta"
-
-
 def _key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype,
             t.is_conj(), t.is_neg())
@@ -144,10 +152,13 @@ class _ProgramWriter:
         self.inputs = list(inputs)  # strong only while forward runs
         self.steps: list[_Step] = []
         self.packs: list[Ref] = []
+        self.pack_after: list[tuple[int, ...]] = []
+        self.memory = _Memory()
         self.outside: list[torch.Tensor] = []  # strong only while forward runs
         self.outside_index: dict[int, int] = {}
         self.saved_state: dict[int, int] = {}
         self.uninitialized: set[int] = set()  # steps that allocate without writing, or run with grad disabled
+        self.covering: set[int] = set()  # of those, the ones whose one output spans its whole memory
         self.grad_fns: list[Any] = []  # of the saved tensors: the autograd nodes the region made lead to them
         self.first_node = _next_node_number()
         self.rng = _RngWatch()
@@ -170,8 +181,12 @@ class _ProgramWriter:
             return
         if not isinstance(op, torch._ops.OpOverload):
             return self._refuse(f"{op} is not an ATen operator")
-        if op._schema.is_mutable:
-            return self._refuse(f"{op} writes to its input")
+        mutable = op._schema.is_mutable
+        why = self.memory.refusal(op, args, out) if mutable else (
+            f"{op} updates running statistics in place, which its schema does not show"
+            if updates_statistics(op, args, kwargs) else None)
+        if why is not None:
+            return self._refuse(why)
         if torch.Tag.dynamic_output_shape in op.tags and (op is not torch.ops.aten.index.Tensor or any(
                 isinstance(i, torch.Tensor) and i.dtype in _MASKS for i in args[1])):
             return self._refuse(f"{op}'s output shape depends on values: later ops took it as a constant")
@@ -179,6 +194,7 @@ class _ProgramWriter:
         if random:
             self.rng.drew(args, kwargs)
         fills: list[tuple[Any, Ref]] = []
+        before_args, before_kwargs = args, kwargs
         args = self._template(list(args), range(len(args)), fills)
         kwargs = self._template(dict(kwargs), list(kwargs), fills)
         if self.refused is not None:
@@ -187,14 +203,23 @@ class _ProgramWriter:
         leaves = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         if not isinstance(out, (torch.Tensor, tuple, list)) and out is not None:
             return self._refuse(f"{op} returns a Python value that later ops may use as a constant")
+        outputs = [t for t in leaves if isinstance(t, torch.Tensor)]
+        for t in outputs:
+            if not _tracked(t):
+                return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
+        read = [t for t in tree_flatten((before_args, before_kwargs))[0] if isinstance(t, torch.Tensor)]
+        after = self.memory.last_writes(read) - {where for _, (kind, where, _) in fills if kind == _STEP}
+        writes = self.memory.wrote(index, out) if mutable else None
+        if not any(r.alias_info is not None for r in op._schema.returns):
+            self.memory.allocated(index, outputs, read)
         for leaf, t in enumerate(leaves):
             if isinstance(t, torch.Tensor):
-                if not _tracked(t):
-                    return self._refuse(f"{op} returns a {type(t).__name__} on {t.device}")
                 self._register(t, (_STEP, index, leaf))
         if op in _UNINITIALIZED or not torch.is_grad_enabled():
             self.uninitialized.add(index)
-        self.steps.append(_Step(op, tuple(args), kwargs, tuple(fills), call, random))
+            if len(outputs) == 1 and covers(outputs[0]):
+                self.covering.add(index)
+        self.steps.append(_Step(op, tuple(args), kwargs, tuple(fills), call, random, tuple(sorted(after)), writes))
 
     def watching(self) -> TorchFunctionMode:
         """The mode to run the recording forward under: it sees Python read a tensor's data."""
@@ -214,6 +239,8 @@ class _ProgramWriter:
             if ref[0] == _STATE:
                 self.saved_state[len(self.packs)] = ref[1]
             self.packs.append(ref)
+            written = self.memory.saved(t) if _tracked(t) else None
+            self.pack_after.append((written,) if written is not None and ref[:2] != (_STEP, written) else ())
             if t.grad_fn is not None:
                 self.grad_fns.append(t.grad_fn)
 
@@ -247,7 +274,7 @@ class _ProgramWriter:
                 last = number
         state = [weakref.ref(t) for t in self.outside]
         kept = tuple(n for n, step in enumerate(self.steps) if (id(step.op), step.call) in kept_calls)
-        return _Program(self.steps, self.packs, state, checks, self.saved_state, previous_draw, kept)
+        return _Program(self.steps, self.packs, self.pack_after, state, checks, self.saved_state, previous_draw, kept)
 
     def rerun_keeping_nothing(self, modules: Sequence[torch.nn.Module], made: Sequence[bool]) -> tuple[int, ...]:
         """Forward ended (as :meth:`finish`): the steps the program would run if the policy kept nothing, where
@@ -260,8 +287,16 @@ class _ProgramWriter:
         return tuple(found[0]) if found is not None else ()
 
     def _reads_uninitialized(self) -> bool:
-        refs = [ref for step in self.steps for _, ref in step.fills] + self.packs
-        return any(kind == _STEP and where in self.uninitialized for kind, where, _ in refs)
+        """Whether a step or autograd reads what an empty-like op (or one with grad disabled) made, other than
+        an op that overwrites all of it (:mod:`.inplace`)."""
+        unset = self.uninitialized
+        for step in self.steps:
+            overwrites = step.op in _FULL_WRITES
+            if any(kind == _STEP and where in unset and not (overwrites and position == 0 and where in self.covering)
+                   for position, (kind, where, _) in step.fills) or unset.intersection(step.after):
+                return True
+        return any(kind == _STEP and where in unset for kind, where, _ in self.packs) or any(
+            unset.intersection(after) for after in self.pack_after)
 
     def _custom_function(self) -> bool:
         """Whether a node of a custom ``autograd.Function`` (other than remat's own input saver) made in the
@@ -361,46 +396,6 @@ def watching_reads(refuse: Callable[[str], None]) -> TorchFunctionMode:
     return _DataReads(refuse)
 
 
-class _RngWatch:
-    """While recording: whether each random op draws on from where the one before it left its generator
-    (nothing in the region seeds or sets it), from the state the region started with for the first."""
-
-    def __init__(self) -> None:
-        self.last: dict[Any, torch.Tensor] = {}  # generator -> its state after the last draw (or at the start)
-        self.last[torch.default_generator] = torch.default_generator.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for generator in torch.cuda.default_generators:
-                self.last[generator] = generator.get_state()
-
-    def check(self, op: Any, args: tuple, kwargs: dict) -> str | None:
-        generator = self._generator(args, kwargs)
-        if generator is None:
-            return f"{op} draws from a generator the replay does not restore"
-        before = self.last.get(generator)
-        if before is None or not torch.equal(before, generator.get_state()):
-            return f"the region sets the RNG before {op} draws"
-        return None
-
-    def drew(self, args: tuple, kwargs: dict) -> None:
-        generator = self._generator(args, kwargs)
-        if generator is not None:
-            self.last[generator] = generator.get_state()
-
-    @staticmethod
-    def _generator(args: tuple, kwargs: dict) -> Any:
-        """The default generator a random op draws from; None for an explicit one or another device's."""
-        if kwargs.get("generator") is not None:
-            return None
-        tensor = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-        device = tensor.device if tensor is not None else torch.device(kwargs.get("device") or "cpu")
-        if device.type == "cpu":
-            return torch.default_generator
-        if device.type == "cuda":
-            return torch.cuda.default_generators[device.index if device.index is not None else
-                                                 torch.cuda.current_device()]
-        return None
-
-
 def _next_node_number() -> int:
     """The sequence number the next autograd node made on this thread gets (a probe node takes one)."""
     with torch._C._DisableTorchDispatch(), torch.enable_grad():
@@ -438,13 +433,18 @@ def plan(program: _Program, wanted: Sequence[int], serve: Any) -> tuple[list, se
             needed[where] = True
         elif kind == _STATE and program.state[where]() is None:
             return None
+        for write in program.pack_after[index]:
+            needed[write] = True
     served = set()
     draws = False  # whether a random op after the step at hand runs
+    written = set()  # the steps whose memory a step that runs after them writes in place
     for number in range(len(steps) - 1, -1, -1):
         if not needed[number]:
             continue
         step = steps[number]
-        if number in serve:
+        # A kept output that a later step writes in place is rerun rather than served: the write would change
+        # the kept value, which a backward that keeps its graph is served again.
+        if number in serve and number not in written:
             if not (step.random and draws):
                 served.add(number)
                 continue
@@ -454,6 +454,10 @@ def plan(program: _Program, wanted: Sequence[int], serve: Any) -> tuple[list, se
             draws = True
             if program.previous_draw[number] >= 0:
                 needed[program.previous_draw[number]] = True
+        if step.writes is not None:
+            written.add(step.writes)
+        for write in step.after:
+            needed[write] = True
         for _, (kind, where, _) in step.fills:
             if kind == _STEP:
                 needed[where] = True

@@ -254,6 +254,8 @@ class _Learner:
                 key = (t.device.type, storage.data_ptr())
                 if storage.nbytes() and key not in inputs:  # _unsafe_view returns its input's storage unannotated
                     self.made[key] = (storage.nbytes(), slot, call, leaf, _geometry(t))
+                    # A dropped mask's memory is freed after forward reads it: new memory there holds no draw.
+                    self.drawn.discard(key)
 
     def _source(self, t: torch.Tensor) -> Any:
         if not _tracked(t):
