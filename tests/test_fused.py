@@ -298,3 +298,26 @@ def test_a_flop_counter_sees_the_refill_op_by_op(compiled):
             p.grad = None
         if step == 1:
             assert counter.get_total_flops() > 0
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_block_with_in_place_ops_and_cpu_dropout_refills_fused(compiled, backend):
+    from helpers import MLPBlock
+
+    class Block(MLPBlock):
+        def forward(self, x):  # CPU dropout draws in place; the ReLU writes in place
+            return x + self.drop(self.down(torch.relu_(self.up(x))))
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Block() for _ in range(2))
+    params = list(layers.parameters())
+    x = torch.randn(4, 16, requires_grad=True)
+    params = [x, *params]
+    policy = _keep({torch.ops.aten.addmm.default})
+    for step in range(3):
+        expected = grads(lambda: _forward(layers, x).sum(), params, seed=step)  # noqa: B023
+        got = grads(lambda: _forward(layers, x, policy, backend).sum(), params, seed=step)  # noqa: B023
+        assert_bitwise(expected[1], got[1])  # one draw, run as eager runs it: the mask is forward's
+    assert len(compiled) == 1
+    (call,) = fused_module._compiled.values()
+    assert call.compiled is not None
