@@ -9,11 +9,11 @@ import contextlib
 import pytest
 import torch
 from helpers import assert_bitwise, grads
-from test_program import Layer, _keep
+from test_program import Layer, _keep, llama_pair
 
 import remat
 from remat.policies import fused as fused_module
-from remat.policies import fused_reruns, save_matmuls
+from remat.policies import fused_reruns
 
 MM = {torch.ops.aten.mm.default}
 
@@ -174,17 +174,7 @@ def test_under_autocast_the_fused_graph_runs_the_casts_forward_ran(compiled):
 
 
 def test_a_hugging_face_llama_with_sdpa_refills_from_one_graph_bitwise(compiled):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa", use_cache=False)
-    model = transformers.LlamaForCausalLM(cfg).train()
-    reference = transformers.LlamaForCausalLM(cfg).train()
-    reference.load_state_dict(model.state_dict())
-    remat.apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer",
-                                         policy=save_matmuls)
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model, reference, ids = llama_pair()
     for step in range(3):
         expected = grads(lambda: reference(input_ids=ids, labels=ids).loss, list(reference.parameters()), step)
         with fused_reruns("eager"):

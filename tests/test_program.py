@@ -259,7 +259,8 @@ def test_a_kept_output_modified_after_forward_is_an_error_or_recomputed(runs):
     assert_bitwise(expected, torch.autograd.grad(out.sum(), [x, w]))
 
 
-def test_a_hugging_face_llama_layer_with_sdpa_runs_its_program_bitwise():
+def llama_pair():
+    """A tiny HF Llama (SDPA) with its layers under ``save_matmuls``, an unwrapped twin, and token ids."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -270,7 +271,11 @@ def test_a_hugging_face_llama_layer_with_sdpa_runs_its_program_bitwise():
     reference.load_state_dict(model.state_dict())
     remat.apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer",
                                          policy=save_matmuls)
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    return model, reference, torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_hugging_face_llama_layer_with_sdpa_runs_its_program_bitwise():
+    model, reference, ids = llama_pair()
     refills = []
     real = selective_module.run
     selective_module.run = lambda program, plan, *a: refills.append(len(plan.order)) or real(program, plan, *a)
