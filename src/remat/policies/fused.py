@@ -54,8 +54,7 @@ from .program import _INPUT, _STATE, _STEP, Ref, _arguments, _Program, _Schedule
 __all__ = ["fused_reruns"]
 
 _backend: list[str | None] = [None]
-_CONSTANTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-              torch.memory_format)
+_CONSTANTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _COMPILED_KEPT = 64  # compiled graphs kept (structures × shapes)
 _compiled: OrderedDict[tuple, _Compiled] = OrderedDict()
 # Round where eager rounds; run random ops as eager does, from the generator the replay set (see run_fused).
@@ -68,8 +67,9 @@ def fused_reruns(backend: str | None = "inductor") -> Iterator[None]:
     """Mark the selective regions whose forward runs inside to refill their dropped tensors with one compiled
     graph per region (``backend`` as ``torch.compile`` takes it), rather than op by op (``None``: op by op).
 
-    It applies to regions that follow their tapes and have a program (:mod:`remat.policies.program`); the
-    backward may run outside the ``with``.  Gradients match plain autograd to rounding, not bitwise.
+    It applies to regions that follow their tapes and have a program (:mod:`remat.policies.program`), and to
+    checkpoints without a policy, which keep nothing as a policy inside it; the backward may run outside the
+    ``with``.  Gradients match plain autograd to rounding, not bitwise.
 
     Example:
         >>> with remat.policies.fused_reruns():
