@@ -24,7 +24,8 @@ modes in one phase, compiled ones in a second, both with plain eager as the refe
   ``activation_memory_budget`` is patched around every step of its mode, so it is in effect when the graph
   compiles at the first call (and at any recompilation).
 * remat's plans at 70/50/30% come from one ``remat.profile`` and are shown with predicted vs measured peak
-  and extra time; compiled, a plan is applied and the model then compiled (remat lowers its wrappers into
+  and extra time (the ``plan-*-fused`` rows from a second profile, taken inside ``fused_reruns``: priced
+  as fused reruns run); compiled, a plan is applied and the model then compiled (remat lowers its wrappers into
   the compiler's own rematerialization under dynamo).
 
 A row that runs out of memory reads OOM; the other rows go on.  Without CUDA (and without ``--device cpu``)
@@ -259,8 +260,10 @@ class Mode:
     refused: str | None = None  # why the mode cannot run (a plan the budget refused)
 
 
-def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mode]:
-    """Every eager mode on the one shared model (plans: by fraction, or the reason there is none)."""
+def eager_modes(work: Workload, plans: dict[float, remat.Plan | str],
+                fused_plans: dict[float, remat.Plan | str] | None = None) -> list[Mode]:
+    """Every eager mode on the one shared model (plans: by fraction, or the reason there is none; fused_plans:
+    those of a profile taken inside fused_reruns, for the plan rows with fused reruns)."""
     model, device_type = work.model, work.device.type
 
     def through(key: str, label: str, fn: Callable[..., Any]) -> Mode:
@@ -301,14 +304,17 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mo
                lambda: remat.save_on_cpu(pin_memory=True, device_type=device_type)),
         around("remat-offload", "remat offload()", lambda: remat.offload(device_type=device_type)),
     ]
-    for fraction, plan in plans.items():
-        key = _plan_key(fraction)
-        if isinstance(plan, str):
-            modes.append(Mode(key, f"remat plan {fraction:.0%}", work.step, refused=plan))
-        else:
-            modes.append(Mode(key, f"remat plan {fraction:.0%} ({_decision_counts(plan)})", work.step,
-                              lambda p=plan: _planned(model, p)))
-    return modes + [_fused(mode) for mode in modes if mode.key in FUSED_OF]
+    modes += [_plan_mode(work, fraction, plan) for fraction, plan in plans.items()]
+    return modes + [_fused(mode) for mode in modes if mode.key in FUSED_OF and not mode.key.startswith("plan-")] \
+        + [_fused(_plan_mode(work, fraction, plan)) for fraction, plan in (fused_plans or {}).items()]
+
+
+def _plan_mode(work: Workload, fraction: float, plan: remat.Plan | str) -> Mode:
+    key = _plan_key(fraction)
+    if isinstance(plan, str):
+        return Mode(key, f"remat plan {fraction:.0%}", work.step, refused=plan)
+    return Mode(key, f"remat plan {fraction:.0%} ({_decision_counts(plan)})", work.step,
+                lambda: _planned(work.model, plan))
 
 
 def _fused(mode: Mode) -> Mode:
@@ -464,9 +470,11 @@ def run_phase(work: Workload, modes: list[Mode], rounds: int, warmup: int, name:
     return rows
 
 
-def _profile_plans(work: Workload, fractions: list[float], repeats: int,
-                   save_to: str | None = None) -> dict[float, remat.Plan | str]:
-    prof = remat.profile(work.model, repeats=repeats, **work.inputs)
+def _profile_plans(work: Workload, fractions: list[float], repeats: int, save_to: str | None = None,
+                   fused: bool = False) -> dict[float, remat.Plan | str]:
+    """Plans at ``fractions`` from one profile (inside fused_reruns where ``fused``: priced as fused reruns)."""
+    with remat.policies.fused_reruns() if fused else contextlib.nullcontext():
+        prof = remat.profile(work.model, repeats=repeats, **work.inputs)
     if save_to:
         # the profile holds no tensors: re-planning from it elsewhere (a CPU machine) uses this device's prices
         with open(save_to, "wb") as f:
@@ -475,7 +483,7 @@ def _profile_plans(work: Workload, fractions: list[float], repeats: int,
     for fraction in fractions:
         try:
             plans[fraction] = prof.plan(fraction)
-            print(f"\nplan {fraction:.0%}:\n{plans[fraction]}")
+            print(f"\nplan {fraction:.0%}{', reruns fused' if fused else ''}:\n{plans[fraction]}")
         except remat.InfeasibleBudget as error:
             plans[fraction] = f"refused: the smallest plan peaks at {_mib(error.smallest - error.param_bytes)} MiB"
     del prof
@@ -644,13 +652,16 @@ def main(argv: list[str] | None = None) -> int:
 
     fractions = [f for f in PLAN_FRACTIONS if {_plan_key(f), f"compiled-{_plan_key(f)}"} & set(keys)]
     plans = _profile_plans(work, fractions, args.profile_repeats, args.save_profile) if fractions else {}
-    eager = [m for m in eager_modes(work, plans) if m.key in keys]
+    fused_fractions = [f for f in PLAN_FRACTIONS if f"{_plan_key(f)}-fused" in keys]
+    fused_plans = _profile_plans(work, fused_fractions, args.profile_repeats, fused=True) if fused_fractions else {}
+    eager = [m for m in eager_modes(work, plans, fused_plans) if m.key in keys]
     rows = run_phase(work, eager, args.rounds, args.warmup, "eager")
-    for fraction, plan in plans.items():
-        row = rows.get(_plan_key(fraction))
-        if row is not None and not isinstance(plan, str):
-            row.predicted_peak = plan.predicted_peak - plan.param_bytes
-            row.predicted_extra, row.predicted_step = plan.predicted_extra_time, plan.step_time
+    for suffix, made in (("", plans), ("-fused", fused_plans)):
+        for fraction, plan in made.items():
+            row = rows.get(_plan_key(fraction) + suffix)
+            if row is not None and not isinstance(plan, str):
+                row.predicted_peak = plan.predicted_peak - plan.param_bytes
+                row.predicted_extra, row.predicted_step = plan.predicted_extra_time, plan.step_time
     entries = summarize(rows, rows["plain"])
     work.free()
     # The eager table is printed (and saved) before the compiled phase starts: compiling every mode takes

@@ -25,10 +25,11 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["candidate_modules"]
+__all__ = ["candidate_modules", "resolve_blocks"]
 
 Named = list[tuple[str, nn.Module]]
 
@@ -133,3 +134,27 @@ def _chains(prefix: str, module: nn.Module) -> Named:
         return [(prefix, module)]
     return [(_join(prefix, n), c) for n, c in module.named_children()
             if _is_plain(c) and not (isinstance(c, nn.ModuleList) and "expert" in n)]
+
+
+def resolve_blocks(model: nn.Module, modules: Sequence[str] | None,
+                   who: str = "remat.profile") -> list[tuple[str, nn.Module]]:
+    """The blocks named ``modules`` (disjoint), or by default the repeated ones (:func:`candidate_modules`);
+    a ValueError naming ``who`` where there are none, a name is missing or one block holds another.
+
+    Example:
+        >>> resolve_blocks(remat.models.GPT(), ["blocks.0", "blocks.1"])
+    """
+    if modules is None:
+        blocks = candidate_modules(model)
+        if not blocks:
+            raise ValueError(f"{who}: found no repeated blocks (children of a ModuleList/Sequential mostly of one "
+                             "class); name the blocks with modules=[...].")
+        return blocks
+    named = dict(model.named_modules())
+    missing = [m for m in modules if m not in named]
+    if missing:
+        raise ValueError(f"{who}: no module named {missing} in {type(model).__name__}.")
+    nested = [(a, b) for a in modules for b in modules if a != b and b.startswith(a + ".")]
+    if nested:
+        raise ValueError(f"{who}: {nested[0][1]} is inside {nested[0][0]}; name disjoint blocks.")
+    return [(m, named[m]) for m in modules]

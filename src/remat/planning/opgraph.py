@@ -60,11 +60,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api.modules import ActivationWrapper
 from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
-from ..policies.program import _ProgramWriter, watching_reads
+from ..policies.fused import current_backend, fused_reruns
+from ..policies.program import _Program, _ProgramWriter, _Schedule, watching_reads
 from ..policies.selective import create_selective_checkpoint_contexts
 from ..policies.tape import tapeable_argument
 from .blockpolicy import BlockPolicy
-from .discovery import candidate_modules
+from .discovery import resolve_blocks
+from .fusedtime import FusedRefill, time_fused_refill
 from .overheads import Overheads, measure_overheads
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
@@ -132,6 +134,7 @@ class BlockGraph:
     # (remat.policies.program; None: it has one), and the ops that program runs when nothing is kept.
     no_program: str | None = "not recorded"
     program_steps: tuple[int, ...] = ()
+    fused: FusedRefill | None = None  # that rerun compiled and timed, for a profile inside fused_reruns
 
     @property
     def keep_all_bytes(self) -> int:
@@ -171,7 +174,8 @@ class BlockGraph:
                  f"{format_bytes(self.input_bytes)}, autograd keeps {format_bytes(self.keep_all_bytes)}; "
                  f"forward {self.forward_time * 1e3:.2f} ms ({kind}); "
                  + (f"its program reruns {len(self.program_steps)} ops" if self.runs_program
-                    else f"no program: {self.no_program}"),
+                    else f"no program: {self.no_program}")
+                 + (f", fused by {self.fused.backend} in {self.fused.device_time * 1e3:.3f} ms" if self.fused else ""),
                  f"{'#':>4} {'op':<36} {'kind':<8} {'bytes':>10} {'saved':>10} {'kernel ms':>10}  needs"]
         for n in self.nodes:
             if n.kind == "ignored":
@@ -249,6 +253,7 @@ class _BlockRecord:
                                                                                                      kwargs))[0]):
             self.program._refuse("the block takes a Python object: a region of it gets no tape")
         self.modules: list[nn.Module] = []
+        self.refill: tuple[_Program, _Schedule] | None = None  # its program's keep-nothing refill (_graph sets it)
         self.pack_made: list[bool] = []  # per saved tensor: whether its storage is one the block made
         for t in _tensors((args, kwargs)):
             storage = t.untyped_storage()
@@ -452,32 +457,15 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
                         n.reachable) for n in nodes],
                       storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
-    rerun = record.program.rerun_keeping_nothing(record.modules, record.pack_made)
+    record.refill = record.program.keeping_nothing(record.modules, record.pack_made)
     record.modules = []
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
         input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
         saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
         forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
-        no_program=record.program.refused, program_steps=rerun,
+        no_program=record.program.refused, program_steps=record.refill[1].order if record.refill else (),
     )
-
-
-def _resolve(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    if modules is None:
-        blocks = candidate_modules(model)
-        if not blocks:
-            raise ValueError("remat.profile_ops: found no repeated blocks (children of a ModuleList/Sequential "
-                             "sharing one class); name the blocks with modules=[...].")
-        return blocks
-    named = dict(model.named_modules())
-    missing = [m for m in modules if m not in named]
-    if missing:
-        raise ValueError(f"remat.profile_ops: no module named {missing} in {type(model).__name__}.")
-    nested = [(a, b) for a in modules for b in modules if a != b and b.startswith(a + ".")]
-    if nested:
-        raise ValueError(f"remat.profile_ops: {nested[0][1]} is inside {nested[0][0]}; name disjoint blocks.")
-    return [(m, named[m]) for m in modules]
 
 
 def profile_ops(
@@ -517,7 +505,7 @@ def profile_ops(
     if any(isinstance(m, ActivationWrapper) for m in model.modules()):
         raise ValueError("remat.profile_ops: the model already has checkpoint/offload wrappers; remove them first "
                          "so the profile sees the forward without checkpointing.")
-    blocks = _resolve(model, modules)
+    blocks = resolve_blocks(model, modules, "remat.profile_ops")
     tensors = [*model.parameters(), *_tensors((example_inputs, example_kwargs))]
     on_meta = any(t.device.type == "meta" for t in tensors)
     estimated = timing == "estimate" or on_meta
@@ -547,7 +535,9 @@ def profile_ops(
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
         handles.append(register_module_forward_hook(recorder.module_output))
-        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
+        # Fused reruns are priced from the backend in effect now, and every measurement runs op by op.
+        backend = current_backend()
+        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad(), fused_reruns(None):
             with (torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder,
                   watching_reads(refuse)):
                 model(*example_inputs, **example_kwargs)
@@ -562,7 +552,7 @@ def profile_ops(
                 overheads = measure_overheads(device=str(device_of(tensors)))
                 if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                     overheads = replace(overheads, copy_per_byte=2 / bandwidth)
-            graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
+            graphs = _graphs(records, estimated, overheads, repeats, measure_policy, backend)
     finally:
         for handle in handles:
             handle.remove()
@@ -573,7 +563,7 @@ def profile_ops(
 
 
 def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
-            measure_policy: bool) -> dict[str, BlockGraph]:
+            measure_policy: bool, backend: str | None) -> dict[str, BlockGraph]:
     by_signature: dict[str, BlockGraph] = {}
     graphs = {}
     for name, record in records.items():
@@ -589,6 +579,9 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
                 if measure_policy:
                     graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
                                               policy_replay=timing.policy_replay)
+                if backend is not None and record.refill is not None:
+                    graph.fused = time_fused_refill(*record.refill, _tensors((record.args, record.kwargs)), backend,
+                                                    repeats)
             shared = by_signature[graph.signature] = graph
         graphs[name] = shared
     return graphs

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..policies.rules import MATMUL_OPS
+from .fusedtime import fused_factors
 from .opgraph import BlockGraph
 from .timing import op_cost
 
@@ -81,6 +82,11 @@ class BlockPrices:
         # dispatch mode either.  Otherwise its Python code reruns under the replay mode.
         program = graph.runs_program and overheads.program_op > 0
         rerun = graph.program_rerun() if program else list(range(stop))
+        # Fused (a profile inside fused_reruns), the program's ops cost their share of one compiled refill, and
+        # the host makes one call; a checkpoint there keeps nothing as a policy, so it is priced the same.
+        fused = graph.fused if program else None
+        kernel = [n.kernel_time * f for n, f in zip(nodes, fused_factors(graph))] if fused else \
+            [n.kernel_time for n in nodes]
         running = set(rerun)
         # A kept draw still reruns where a later random op does (so that op draws as in forward).
         last_draw = max((i for i in running if nodes[i].random), default=-1) if program else -1
@@ -98,18 +104,19 @@ class BlockPrices:
             host = sum(n.host_time for n in nodes[:stop]) + machinery
             self.checkpoint_time = max(kernels, host)
             if program:
-                self.host_floor = machinery + overheads.program_op * len(rerun)
-                self.device_time = sum(nodes[i].kernel_time for i in rerun)
+                self.host_floor = machinery + (fused.host_time if fused else overheads.program_op * len(rerun))
+                self.device_time = sum(kernel[i] for i in rerun)
             else:
                 self.host_floor = host + overheads.policy_replay * (stop + graph.saved_needing_grad)
                 self.device_time = kernels
             self.selective_time = max(self.device_time, self.host_floor)
             for i in graph.keepable:
-                gain[i] = (nodes[i].kernel_time if spared(i) else 0.0) - copy * graph.copied_bytes(i)
+                gain[i] = (kernel[i] if spared(i) else 0.0) - copy * graph.copied_bytes(i)
         else:
             self.checkpoint_time = machinery + sum(n.wall_time for n in nodes[:stop])
+            per_op = 0.0 if fused else overheads.program_op  # the fused refill's time holds its host work
             if program:
-                self.selective_time = machinery + sum(nodes[i].kernel_time + overheads.program_op for i in rerun)
+                self.selective_time = machinery + sum(kernel[i] + per_op for i in rerun)
             else:
                 # The replay also dispatches the detach of every rebuilt tensor that requires grad.
                 self.selective_time = (self.checkpoint_time + policy_work(nodes, overheads.policy_forward)
@@ -119,11 +126,12 @@ class BlockPrices:
             self.device_time = self.selective_time
             for i in graph.keepable:
                 if program:
-                    gain[i] = (nodes[i].kernel_time + overheads.program_op if spared(i) else 0.0) \
-                        - copy * graph.copied_bytes(i)
+                    gain[i] = (kernel[i] + per_op if spared(i) else 0.0) - copy * graph.copied_bytes(i)
                 else:
                     host = nodes[i].host_time + overheads.policy_replay
                     gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
+        if fused:
+            self.checkpoint_time = self.selective_time
         self.matmul_time = sum(n.kernel_time for n in nodes if n.op in _MATMUL_NAMES)
         self.gain = _tied(gain, {i: nodes[i].out_bytes for i in gain})
 

@@ -26,7 +26,7 @@ stop ends it there), on top of the live bytes at the start of that block's backw
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -34,14 +34,13 @@ import torch
 from torch import nn
 
 from ..engine.replay import tensor_leaves
-from .discovery import candidate_modules
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of
 from .units import format_bytes
 
-__all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure", "resolve_blocks"]
+__all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure"]
 
 
 @dataclass
@@ -154,22 +153,6 @@ def _refuse_kv_cache(output: Any) -> None:
         )
 
 
-def resolve_blocks(model: nn.Module, modules: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    if modules is None:
-        blocks = candidate_modules(model)
-        if not blocks:
-            raise ValueError(
-                "remat.profile: found no repeated blocks (children of a ModuleList/Sequential mostly of one "
-                "class); name the candidate modules with modules=[...]."
-            )
-        return blocks
-    named = dict(model.named_modules())
-    missing = [m for m in modules if m not in named]
-    if missing:
-        raise ValueError(f"remat.profile: no module named {missing} in {type(model).__name__}.")
-    return [(m, named[m]) for m in modules]
-
-
 def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, blocks: list[tuple[str, nn.Module]],
             loss_fn: Callable[[Any], torch.Tensor], device: str | None, throughput: float, repeats: int
             ) -> StepProfile:
@@ -178,7 +161,7 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     The result's ``ops`` holds the blocks' op graphs, from which the options are priced.
 
     Example:
-        >>> measured = measure(model, (tokens,), {}, resolve_blocks(model, None), loss, None, 100e12, 5)
+        >>> measured = measure(model, (tokens,), {}, candidate_modules(model), loss, None, 100e12, 5)
     """
     def step() -> torch.Tensor:
         return loss_fn(model(*example_inputs, **example_kwargs))

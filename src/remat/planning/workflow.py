@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from ..api.modules import ActivationWrapper
+from .discovery import resolve_blocks
 from .kvcache import cache_off
 from .metadata import MetaData, NeedsRealData
 from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
-from .profile import StepProfile, default_loss, measure, resolve_blocks
+from .profile import StepProfile, default_loss, measure
 from .solver import plan_from_profile
 from .units import Budget, parse_budget
 

@@ -141,6 +141,16 @@ def run_fused(program: _Program, plan: _Schedule, count: int, inputs: Sequence[t
     return result
 
 
+def fuses(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], backend: Any) -> bool:
+    """Whether :func:`run_fused` runs ``plan``, which serves no kept output, as one compiled graph.
+
+    Example:
+        >>> fuses(program, plan, inputs, "inductor")   # False with two random ops, or under a dispatch mode
+    """
+    return not plan.served and _get_current_dispatch_mode() is None and \
+        _fused(program, plan, inputs, {}, backend) is not None
+
+
 _FUSED_PER_PROGRAM = 16  # as many as a program keeps schedules
 
 

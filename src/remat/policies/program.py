@@ -276,15 +276,17 @@ class _ProgramWriter:
         kept = tuple(n for n, step in enumerate(self.steps) if (id(step.op), step.call) in kept_calls)
         return _Program(self.steps, self.packs, self.pack_after, state, checks, self.saved_state, previous_draw, kept)
 
-    def rerun_keeping_nothing(self, modules: Sequence[torch.nn.Module], made: Sequence[bool]) -> tuple[int, ...]:
-        """Forward ended (as :meth:`finish`): the steps the program would run if the policy kept nothing, where
-        ``made[i]`` says whether saved tensor ``i`` is on memory the region made (the others are held)."""
+    def keeping_nothing(self, modules: Sequence[torch.nn.Module],
+                        made: Sequence[bool]) -> tuple[_Program, _Schedule] | None:
+        """Forward ended (as :meth:`finish`): the program and its refill if the policy kept nothing (None where
+        there is none), where ``made[i]`` says whether saved tensor ``i`` is on memory the region made (the
+        others are held)."""
         program = self.finish(modules)
         if program is None:
-            return ()
+            return None
         dropped = [i for i, ((kind, _, _), mine) in enumerate(zip(program.packs, made)) if kind == _STEP and mine]
-        found = plan(program, dropped, frozenset())
-        return tuple(found[0]) if found is not None else ()
+        found = schedule(program, dropped, ())
+        return (program, found) if found is not None else None
 
     def _reads_uninitialized(self) -> bool:
         """Whether a step or autograd reads what an empty-like op (or one with grad disabled) made, other than

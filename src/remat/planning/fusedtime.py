@@ -1,0 +1,100 @@
+"""What a fused rerun costs: a block's keep-nothing refill compiled and timed while profiling.
+
+Inside :func:`remat.policies.fused_reruns` a region refilled from its program runs its rerun as one compiled
+graph (:mod:`remat.policies.fused`): the matmuls, attention and random ops stay kernels of their own (a
+compiler calls the library's), while the elementwise work between them (norms, rotary embeddings,
+activations, casts) becomes a few kernels that read their inputs once.  What those cost cannot be read off
+the op-by-op kernel times the profile measures, so a profile taken inside ``fused_reruns`` compiles each
+distinct block's keep-nothing refill and times it on the device (:func:`time_fused_refill`).
+
+The price of a fused rerun is then additive over ops, as the fronts need: an *extern* op (matmul-like,
+attention, random) costs its measured kernel time, and every other op its kernel time times one factor per
+block (:func:`fused_factors`), the one that makes the keep-nothing refill cost what was measured:
+
+    factor = (fused refill time - extern kernels) / other kernels
+
+so keeping a matmul spares its kernel, and keeping an elementwise output spares its share of the fused
+kernels.  The host pays one compiled call per refill (``host_time``) instead of a Python trip per op.
+
+Example:
+    >>> with remat.policies.fused_reruns():
+    ...     prof = remat.profile(model, tokens)   # blocks with programs: their fused refill timed
+    >>> plan = prof.plan(0.5)                     # priced as fused reruns run
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..policies.fused import fuses, run_fused
+from ..policies.program import _Program, _Schedule
+from ..policies.rules import MATMUL_OPS
+from .timing import Clock, device_of
+
+if TYPE_CHECKING:
+    from .opgraph import BlockGraph
+
+__all__ = ["FusedRefill", "fused_factors", "time_fused_refill"]
+
+_EXTERN = frozenset(str(op) for op in MATMUL_OPS)
+
+
+@dataclass(frozen=True)
+class FusedRefill:
+    """A block's keep-nothing refill, compiled by ``backend`` and timed: device and host seconds per call."""
+
+    backend: str
+    device_time: float
+    host_time: float
+
+
+def time_fused_refill(program: _Program, refill: _Schedule, inputs: Sequence[torch.Tensor], backend: str,
+                      repeats: int) -> FusedRefill | None:
+    """Compile ``refill`` (a block's keep-nothing refill) with ``backend`` and time it on its device's clock:
+    medians over ``repeats`` calls after two warm-ups (the first compiles).  None where it would run op by op
+    (two random ops, nothing to compute).
+
+    Random ops draw from the generators as they are: call it with the RNG forked.
+
+    Example:
+        >>> found = time_fused_refill(program, refill, inputs, "inductor", repeats=5)
+    """
+    if not fuses(program, refill, inputs, backend):
+        return None
+    clock = Clock(device_of([*inputs, *(ref() for ref in program.state if ref() is not None)]))
+
+    def call() -> None:
+        run_fused(program, refill, len(program.packs), inputs, _nothing_served, backend)
+
+    with torch.no_grad():
+        for _ in range(2):
+            clock.time(call)
+        times = [clock.time(call)[1:] for _ in range(repeats)]
+    return FusedRefill(backend, statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
+
+
+def _nothing_served(step: object) -> None:
+    raise AssertionError("a keep-nothing refill serves no kept output")
+
+
+def fused_factors(graph: BlockGraph) -> list[float]:
+    """Per node of ``graph``, what its kernel time counts for in a fused rerun (see the module docstring);
+    1.0 throughout where the graph has no timed fused refill.
+
+    Example:
+        >>> factors = fused_factors(graph)   # 1.0 for matmuls, attention and random ops
+    """
+    nodes, fused = graph.nodes, graph.fused
+    if fused is None:
+        return [1.0] * len(nodes)
+    extern = [n.op in _EXTERN or n.random for n in nodes]
+    rerun = graph.program_rerun()
+    outer = sum(nodes[i].kernel_time for i in rerun if extern[i])
+    inner = sum(nodes[i].kernel_time for i in rerun if not extern[i])
+    scale = max(fused.device_time - outer, 0.0) / inner if inner > 0 else 1.0
+    return [1.0 if extern[i] else scale for i in range(len(nodes))]
