@@ -14,7 +14,7 @@ from test_timing import _timed_graph
 from torch import nn
 
 import remat
-from remat.planning.fusedtime import FusedRefill, fused_factors
+from remat.planning.fusedtime import FusedRefill, fused_shares
 from remat.planning.prices import BlockPrices
 from remat.policies import fused_reruns
 
@@ -56,21 +56,22 @@ def _fused(asynchronous, device_time, host_time=1e-5):
 
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_fused_refill_costs_what_was_timed_and_each_op_its_share(asynchronous):
-    graph = _fused(asynchronous, device_time=2.5e-4)
+    graph = _fused(asynchronous, device_time=1.5e-4)
     rerun, nodes = graph.program_rerun(), graph.nodes
     matmuls = [i for i in rerun if nodes[i].op == "aten.addmm.default"]
     others = [i for i in rerun if i not in matmuls]
     assert matmuls and others
     # The matmul keeps its kernel time; the other ops share what is left of the timed refill.
-    scale = (2.5e-4 - sum(nodes[i].kernel_time for i in matmuls)) / sum(nodes[i].kernel_time for i in others)
-    factors = fused_factors(graph)
+    scale = (1.5e-4 - sum(nodes[i].kernel_time for i in matmuls)) / sum(nodes[i].kernel_time for i in others)
+    factors, fixed = fused_shares(graph)
+    assert 0 < scale < 1 and fixed == 0.0
     assert all(factors[i] == 1.0 for i in matmuls) and all(factors[i] == pytest.approx(scale) for i in others)
     prices = BlockPrices(graph)
     o = graph.overheads
     machinery = o.region + o.per_saved * graph.saved_tensors
     # Keeping nothing costs the timed refill (on an accelerator, or the host's one call where that is longer);
     # a checkpoint keeps nothing as a policy inside fused_reruns, so it costs the same.
-    expected = max(2.5e-4, machinery + 1e-5) if asynchronous else machinery + 2.5e-4
+    expected = max(1.5e-4, machinery + 1e-5) if asynchronous else machinery + 1.5e-4
     assert prices.selective_time == pytest.approx(expected) and prices.checkpoint_time == prices.selective_time
     for i, gain in prices.gain.items():
         share = nodes[i].kernel_time * factors[i] if i in rerun else 0.0
@@ -82,7 +83,7 @@ def test_without_a_timed_refill_a_program_is_priced_op_by_op():
     fused = BlockPrices(graph)
     graph.fused = None
     op_by_op = BlockPrices(graph)
-    assert fused_factors(graph) == [1.0] * len(graph.nodes)
+    assert fused_shares(graph) == ([1.0] * len(graph.nodes), 0.0)
     o = graph.overheads
     machinery = o.region + o.per_saved * graph.saved_tensors
     assert op_by_op.selective_time == pytest.approx(
@@ -92,8 +93,22 @@ def test_without_a_timed_refill_a_program_is_priced_op_by_op():
 
 def test_a_fused_refill_faster_than_its_matmuls_prices_the_other_ops_at_nothing():
     graph = _fused(True, device_time=1e-9)  # timing noise below the matmuls' own kernels
-    factors = fused_factors(graph)
-    assert min(factors) == 0.0 and max(factors) == 1.0
+    factors, fixed = fused_shares(graph)
+    assert min(factors) == 0.0 and max(factors) == 1.0 and fixed == 0.0
+
+
+def test_a_fused_refill_slower_than_its_ops_one_by_one_counts_the_excess_as_fixed():
+    # A compiled call's fixed cost above tiny ops: keeping an op spares no more than its own kernel.
+    graph = _fused(False, device_time=1e-2)
+    factors, fixed = fused_shares(graph)
+    rerun, nodes = graph.program_rerun(), graph.nodes
+    assert factors == [1.0] * len(nodes) and fixed == pytest.approx(1e-2 - sum(nodes[i].kernel_time for i in rerun))
+    prices = BlockPrices(graph)
+    o = graph.overheads
+    assert prices.selective_time == pytest.approx(o.region + o.per_saved * graph.saved_tensors + 1e-2)
+    assert all(gain == pytest.approx(nodes[i].kernel_time if i in rerun else 0.0) for i, gain in prices.gain.items())
+    everything = prices.time("selective", tuple(prices.gain))
+    assert everything >= o.region + o.per_saved * graph.saved_tensors + fixed - 1e-12
 
 
 def test_a_plan_from_a_fused_profile_says_how_it_was_priced(compiled):  # noqa: F811
@@ -104,3 +119,26 @@ def test_a_plan_from_a_fused_profile_says_how_it_was_priced(compiled):  # noqa: 
     assert plan.meta["fused_reruns"] == "eager" and "fused_reruns()" in str(plan)
     assert "fused_reruns" not in remat.profile(model, x, modules=["0", "1", "2", "3"], loss_fn=lambda y: y.sum(),
                                                repeats=1).plan(0.5).meta
+
+
+def test_a_backend_that_fails_to_compile_gets_no_fused_price(compiled):  # noqa: F811
+    from torch._dynamo import register_backend
+
+    @register_backend
+    def refusing(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    model, x = _stack(), torch.randn(4, 16, requires_grad=True)
+    with fused_reruns("refusing"), pytest.warns(UserWarning, match="failed to compile"):
+        prof = remat.profile_ops(model, x, modules=["0", "1", "2"], repeats=1)
+    assert prof.distinct[0].fused is None
+
+
+def test_a_callable_backend_names_the_plan(compiled):  # noqa: F811
+    def mine(gm, example_inputs):
+        return gm.forward
+
+    model, x = _stack(4, 64), torch.randn(256, 64, requires_grad=True)
+    with fused_reruns(mine):
+        prof = remat.profile(model, x, modules=["0", "1", "2", "3"], loss_fn=lambda y: y.sum(), repeats=1)
+    assert prof.plan(0.5).meta["fused_reruns"] == "mine"

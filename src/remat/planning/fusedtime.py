@@ -14,7 +14,9 @@ block (:func:`fused_factors`), the one that makes the keep-nothing refill cost w
     factor = (fused refill time - extern kernels) / other kernels
 
 so keeping a matmul spares its kernel, and keeping an elementwise output spares its share of the fused
-kernels.  The host pays one compiled call per refill (``host_time``) instead of a Python trip per op.
+kernels.  The factor is at most 1: a refill slower than its ops run one by one (a call's fixed cost above
+tiny ops) counts the excess as a fixed cost of every fused refill of the block, which keeping spares none
+of.  The host pays one compiled call per refill (``host_time``) instead of a Python trip per op.
 
 Example:
     >>> with remat.policies.fused_reruns():
@@ -39,7 +41,7 @@ from .timing import Clock, device_of
 if TYPE_CHECKING:
     from .opgraph import BlockGraph
 
-__all__ = ["FusedRefill", "fused_factors", "time_fused_refill"]
+__all__ = ["FusedRefill", "fused_shares", "time_fused_refill"]
 
 _EXTERN = frozenset(str(op) for op in MATMUL_OPS)
 
@@ -56,8 +58,8 @@ class FusedRefill:
 def time_fused_refill(program: _Program, refill: _Schedule, inputs: Sequence[torch.Tensor], backend: str,
                       repeats: int) -> FusedRefill | None:
     """Compile ``refill`` (a block's keep-nothing refill) with ``backend`` and time it on its device's clock:
-    medians over ``repeats`` calls after two warm-ups (the first compiles).  None where it would run op by op
-    (two random ops, nothing to compute).
+    medians over ``repeats`` calls after two warm-ups (the first compiles).  None where it runs op by op
+    (two random ops, nothing to compute, a compiler that failed).
 
     Random ops draw from the generators as they are: call it with the RNG forked.
 
@@ -74,27 +76,31 @@ def time_fused_refill(program: _Program, refill: _Schedule, inputs: Sequence[tor
     with torch.no_grad():
         for _ in range(2):
             clock.time(call)
+        if not fuses(program, refill, inputs, backend):  # the compiler failed: its reruns run op by op
+            return None
         times = [clock.time(call)[1:] for _ in range(repeats)]
-    return FusedRefill(backend, statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+    return FusedRefill(name, statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
 
 
 def _nothing_served(step: object) -> None:
     raise AssertionError("a keep-nothing refill serves no kept output")
 
 
-def fused_factors(graph: BlockGraph) -> list[float]:
-    """Per node of ``graph``, what its kernel time counts for in a fused rerun (see the module docstring);
-    1.0 throughout where the graph has no timed fused refill.
+def fused_shares(graph: BlockGraph) -> tuple[list[float], float]:
+    """Per node of ``graph``, what its kernel time counts for in a fused rerun, and the refill's fixed cost
+    (see the module docstring); all 1.0 and no fixed cost where the graph has no timed fused refill.
 
     Example:
-        >>> factors = fused_factors(graph)   # 1.0 for matmuls, attention and random ops
+        >>> factors, fixed = fused_shares(graph)   # factors: 1.0 for matmuls, attention and random ops
     """
     nodes, fused = graph.nodes, graph.fused
     if fused is None:
-        return [1.0] * len(nodes)
+        return [1.0] * len(nodes), 0.0
     extern = [n.op in _EXTERN or n.random for n in nodes]
     rerun = graph.program_rerun()
     outer = sum(nodes[i].kernel_time for i in rerun if extern[i])
     inner = sum(nodes[i].kernel_time for i in rerun if not extern[i])
-    scale = max(fused.device_time - outer, 0.0) / inner if inner > 0 else 1.0
-    return [1.0 if extern[i] else scale for i in range(len(nodes))]
+    rest = max(fused.device_time - outer, 0.0)
+    scale = min(rest / inner, 1.0) if inner > 0 else 1.0
+    return [1.0 if extern[i] else scale for i in range(len(nodes))], rest - scale * inner

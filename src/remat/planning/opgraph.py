@@ -489,8 +489,10 @@ def profile_ops(
     checkpoint machinery's costs; by default the per-region and per-saved-tensor
     costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
-    times are estimated, and copies at ``bandwidth``, read plus write).  The
-    RNG state is left as it was.
+    times are estimated, and copies at ``bandwidth``, read plus write).  Inside
+    :func:`remat.policies.fused_reruns`, each timed block's keep-nothing refill is
+    also compiled and timed (:mod:`remat.planning.fusedtime`).  The RNG state is
+    left as it was.
 
     Example:
         >>> model = remat.models.GPT()

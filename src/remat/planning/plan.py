@@ -11,6 +11,7 @@ anything, and warns about blocks like the planned ones that the plan leaves out.
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from collections.abc import Callable, Sequence
@@ -56,14 +57,15 @@ class Plan:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
         # One policy object per block for the plan's life: a region's tape is filed under its policy, so applying
         # the plan again (after remove) follows the tapes already learned instead of recording afresh.
-        self._block_policies: dict[str, BlockPolicy] = {}
+        self._block_policies: dict[str, tuple[dict[str, Any], BlockPolicy]] = {}  # with the data each was made from
 
     def _installer(self, name: str, decision: str) -> tuple[Callable[[nn.Module], nn.Module], Any]:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
         if name in self.policies:
-            policy = self._block_policies.get(name)
-            if policy is None or policy.to_dict() != self.policies[name]:
-                policy = self._block_policies[name] = BlockPolicy.from_dict(self.policies[name])
+            source, policy = self._block_policies.get(name, (None, None))
+            if policy is None or source != self.policies[name]:
+                policy = BlockPolicy.from_dict(self.policies[name])
+                self._block_policies[name] = (copy.deepcopy(self.policies[name]), policy)
             return policy.wrap, (decision, policy.to_dict())
         wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
         if wrap is None:

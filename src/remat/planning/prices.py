@@ -34,6 +34,10 @@ checkpoint 2.31 ms (measured 2.30) and ``save_matmuls`` 1.7 ms (measured 1.42).
 On either device, a random in-place op kept by value gains its kernel less two copies of its bytes, forward's
 and the replay's.
 
+A graph with a timed fused refill (a profile inside :func:`remat.policies.fused_reruns`) is priced as that
+refill runs (:mod:`.fusedtime`): each op's kernel counts for its share of the compiled refill, the host
+makes one call, and a checkpoint (which keeps nothing as a policy there) costs the keep-nothing refill.
+
 Near-ties between outputs of equal size are made exact (:data:`TIE`), so that which of them a plan keeps
 does not follow timing noise from one process to the next.
 
@@ -49,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..policies.rules import MATMUL_OPS
-from .fusedtime import fused_factors
+from .fusedtime import fused_shares
 from .opgraph import BlockGraph
 from .timing import op_cost
 
@@ -85,8 +89,8 @@ class BlockPrices:
         # Fused (a profile inside fused_reruns), the program's ops cost their share of one compiled refill, and
         # the host makes one call; a checkpoint there keeps nothing as a policy, so it is priced the same.
         fused = graph.fused if program else None
-        kernel = [n.kernel_time * f for n, f in zip(nodes, fused_factors(graph))] if fused else \
-            [n.kernel_time for n in nodes]
+        factors, fixed = fused_shares(graph) if fused else ([1.0] * len(nodes), 0.0)
+        kernel = [n.kernel_time * f for n, f in zip(nodes, factors)]
         running = set(rerun)
         # A kept draw still reruns where a later random op does (so that op draws as in forward).
         last_draw = max((i for i in running if nodes[i].random), default=-1) if program else -1
@@ -105,7 +109,7 @@ class BlockPrices:
             self.checkpoint_time = max(kernels, host)
             if program:
                 self.host_floor = machinery + (fused.host_time if fused else overheads.program_op * len(rerun))
-                self.device_time = sum(kernel[i] for i in rerun)
+                self.device_time = fixed + sum(kernel[i] for i in rerun)
             else:
                 self.host_floor = host + overheads.policy_replay * (stop + graph.saved_needing_grad)
                 self.device_time = kernels
@@ -116,7 +120,7 @@ class BlockPrices:
             self.checkpoint_time = machinery + sum(n.wall_time for n in nodes[:stop])
             per_op = 0.0 if fused else overheads.program_op  # the fused refill's time holds its host work
             if program:
-                self.selective_time = machinery + sum(kernel[i] + per_op for i in rerun)
+                self.selective_time = machinery + fixed + sum(kernel[i] + per_op for i in rerun)
             else:
                 # The replay also dispatches the detach of every rebuilt tensor that requires grad.
                 self.selective_time = (self.checkpoint_time + policy_work(nodes, overheads.policy_forward)

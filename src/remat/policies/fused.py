@@ -142,13 +142,17 @@ def run_fused(program: _Program, plan: _Schedule, count: int, inputs: Sequence[t
 
 
 def fuses(program: _Program, plan: _Schedule, inputs: Sequence[torch.Tensor], backend: Any) -> bool:
-    """Whether :func:`run_fused` runs ``plan``, which serves no kept output, as one compiled graph.
+    """Whether :func:`run_fused` runs ``plan``, which serves no kept output, as one compiled graph: not with
+    two random ops, under a dispatch mode, or once the backend failed to compile it.
 
     Example:
-        >>> fuses(program, plan, inputs, "inductor")   # False with two random ops, or under a dispatch mode
+        >>> fuses(program, plan, inputs, "inductor")
     """
-    return not plan.served and _get_current_dispatch_mode() is None and \
-        _fused(program, plan, inputs, {}, backend) is not None
+    if plan.served or _get_current_dispatch_mode() is not None:
+        return False
+    found = _fused(program, plan, inputs, {}, backend)
+    compiled = found.compiled() if found is not None else None
+    return found is not None and not (compiled is not None and compiled.failed)
 
 
 _FUSED_PER_PROGRAM = 16  # as many as a program keeps schedules
