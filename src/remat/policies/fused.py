@@ -9,10 +9,10 @@ that read the layer's inputs once and write only the tensors backward needs.
 The graph is the refill itself: the ops the schedule runs, with the region's inputs, the module state they
 read and the kept outputs served as its inputs, and the dropped saved tensors as its outputs.  Each is
 compiled once per structure (ops, constants, and the inputs' shapes, strides, dtypes and devices), so the
-layers of a model share one compilation; the backend is handed the graph as dynamo would hand it one, with
-no per-call guards (the key already pins what they would check).  Inside :func:`fused_reruns` a checkpoint
-without a policy keeps nothing as a policy (``save_nothing``), so that it follows its tape and its whole
-rerun is fused too.
+layers of a model that keep the same outputs share one compilation; the backend is handed the graph as
+dynamo would hand it one, with no per-call guards (the key already pins what they would check).  Inside
+:func:`fused_reruns` a checkpoint without a policy keeps nothing as a policy (``save_nothing``), so that it
+follows its tape and its whole rerun is fused too.
 
 A random op in the graph (attention, which PyTorch marks random for its dropout) runs as eager runs it, from
 the generator where the replay put it (forward's state at the region's start): with nothing random before
