@@ -14,8 +14,8 @@ from test_timing import _timed_graph
 from torch import nn
 
 import remat
-from remat.planning.fusedtime import FusedRefill, fused_shares
-from remat.planning.prices import BlockPrices
+from remat.planning.fusedtime import FusedRefill
+from remat.planning.prices import BlockPrices, fused_shares
 from remat.policies import fused_reruns
 
 

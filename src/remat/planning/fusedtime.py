@@ -9,7 +9,8 @@ distinct block's keep-nothing refill and times it on the device (:func:`time_fus
 
 The price of a fused rerun is then additive over ops, as the fronts need: an *extern* op (matmul-like,
 attention, random) costs its measured kernel time, and every other op its kernel time times one factor per
-block (:func:`fused_factors`), the one that makes the keep-nothing refill cost what was measured:
+block (:func:`remat.planning.prices.fused_shares`), the one that makes the keep-nothing refill cost what was
+measured:
 
     factor = (fused refill time - extern kernels) / other kernels
 
@@ -29,21 +30,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..policies.fused import fuses, run_fused
 from ..policies.program import _Program, _Schedule
-from ..policies.rules import MATMUL_OPS
 from .timing import Clock, device_of
 
-if TYPE_CHECKING:
-    from .opgraph import BlockGraph
-
-__all__ = ["FusedRefill", "fused_shares", "time_fused_refill"]
-
-_EXTERN = frozenset(str(op) for op in MATMUL_OPS)
+__all__ = ["FusedRefill", "time_fused_refill"]
 
 
 @dataclass(frozen=True)
@@ -85,22 +79,3 @@ def time_fused_refill(program: _Program, refill: _Schedule, inputs: Sequence[tor
 
 def _nothing_served(step: object) -> None:
     raise AssertionError("a keep-nothing refill serves no kept output")
-
-
-def fused_shares(graph: BlockGraph) -> tuple[list[float], float]:
-    """Per node of ``graph``, what its kernel time counts for in a fused rerun, and the refill's fixed cost
-    (see the module docstring); all 1.0 and no fixed cost where the graph has no timed fused refill.
-
-    Example:
-        >>> factors, fixed = fused_shares(graph)   # factors: 1.0 for matmuls, attention and random ops
-    """
-    nodes, fused = graph.nodes, graph.fused
-    if fused is None:
-        return [1.0] * len(nodes), 0.0
-    extern = [n.op in _EXTERN or n.random for n in nodes]
-    rerun = graph.program_rerun()
-    outer = sum(nodes[i].kernel_time for i in rerun if extern[i])
-    inner = sum(nodes[i].kernel_time for i in rerun if not extern[i])
-    rest = max(fused.device_time - outer, 0.0)
-    scale = min(rest / inner, 1.0) if inner > 0 else 1.0
-    return [1.0 if extern[i] else scale for i in range(len(nodes))], rest - scale * inner

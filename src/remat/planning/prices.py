@@ -53,11 +53,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..policies.rules import MATMUL_OPS
-from .fusedtime import fused_shares
 from .opgraph import BlockGraph
 from .timing import op_cost
 
-__all__ = ["BlockPrices"]
+__all__ = ["BlockPrices", "fused_shares"]
 
 _MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
 
@@ -155,6 +154,25 @@ class BlockPrices:
     def matmul_nodes(self) -> tuple[int, ...]:
         """The keepable nodes ``save_matmuls`` keeps: the outputs of matmul-like ops."""
         return tuple(i for i in self.graph.keepable if self.graph.nodes[i].op in _MATMUL_NAMES)
+
+
+def fused_shares(graph: BlockGraph) -> tuple[list[float], float]:
+    """Per node of ``graph``, what its kernel time counts for in a fused rerun, and the refill's fixed cost
+    (:mod:`.fusedtime`); all 1.0 and no fixed cost where the graph has no timed fused refill.
+
+    Example:
+        >>> factors, fixed = fused_shares(graph)   # factors: 1.0 for matmuls, attention and random ops
+    """
+    nodes, fused = graph.nodes, graph.fused
+    if fused is None:
+        return [1.0] * len(nodes), 0.0
+    extern = [n.op in _MATMUL_NAMES or n.random for n in nodes]
+    rerun = graph.program_rerun()
+    outer = sum(nodes[i].kernel_time for i in rerun if extern[i])
+    inner = sum(nodes[i].kernel_time for i in rerun if not extern[i])
+    rest = max(fused.device_time - outer, 0.0)
+    scale = min(rest / inner, 1.0) if inner > 0 else 1.0
+    return [1.0 if extern[i] else scale for i in range(len(nodes))], rest - scale * inner
 
 
 TIE = 0.25
