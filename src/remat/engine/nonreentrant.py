@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from .checks import CheckpointError, Divergence, OpTrace, describe_function, first_op_divergence
 from .replay import ReplayState
 
-__all__ = ["GraphExecGroup", "run_nonreentrant"]
+__all__ = ["GraphExecGroup", "detached", "run_nonreentrant"]
 
 _CONSUMED = object()
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -94,18 +94,23 @@ def _identity(x: Any) -> Any:
 
 
 _python_dispatch_off = torch._C._DisableTorchDispatch
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    if type(t) in _PLAIN:
-        # A plain tensor's detach needs no dispatch mode: under a selective policy's modes it would otherwise
-        # cost a trip through Python per saved tensor (and be recorded as one of the region's ops).
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``, unseen by the dispatch modes active (a selective policy's): a saved tensor a hook
+    keeps is not one of the region's ops, and must not cost a trip through Python per saved tensor.
+
+    Example:
+        >>> held = detached(saved)   # in a pack hook, under any mode
+    """
+    if type(t) in _PLAIN and _dispatch_modes():
         with _python_dispatch_off():
             return t.detach()
-    return t.detach()  # a subclass keeps its own detach
+    return t.detach()  # no mode to hide from, or a subclass, which keeps its own detach
 
 
 def _needs_no_refill(placeholder: _Placeholder | None) -> bool:
@@ -217,10 +222,13 @@ class _Frame:
         return pytree.tree_unflatten(leaves, self.spec)
 
     # ---- forward hook -------------------------------------------------------
-    def make_pack_hook(self, hold: Callable[[int, torch.Tensor], bool] | None) -> Callable[[Any], _Placeholder]:
+    def make_pack_hook(self, hold: Callable[[int, torch.Tensor], torch.Tensor | None] | None
+                       ) -> Callable[[Any], _Placeholder]:
         """The forward pack hook, with everything it touches bound as locals (it runs per saved tensor).
 
-        ``hold(index, tensor)`` (from the forward context) says which saved tensors stay in their placeholder.
+        ``hold(index, tensor)`` (from the forward context) says which saved tensors stay in their placeholder:
+        it returns the tensor to keep there, :func:`detached` (the tensor's grad_fn holds the placeholder,
+        which must not hold it back), or None.
         """
         placeholders, new_ref, remember = self.placeholders, weakref.ref, self.placeholders.append
         metadata_fn, keep_metadata = self.metadata_fn, self.metas.append
@@ -231,11 +239,12 @@ class _Frame:
             remember(new_ref(placeholder))
             if metadata_fn is not None:
                 keep_metadata(metadata_fn(x))
-            if hold is not None and hold(index, x):
-                # Detached: the tensor's grad_fn holds this placeholder, which must not hold it back.
-                placeholder.held = _detached(x)
-                placeholder.version = x._version
-                self.holds = True
+            if hold is not None:
+                held = hold(index, x)
+                if held is not None:
+                    placeholder.held = held
+                    placeholder.version = x._version
+                    self.holds = True
             return placeholder
 
         return pack
@@ -365,7 +374,7 @@ class _Refill:
 
         def pack(recomputed: torch.Tensor) -> torch.Tensor:
             # Keep only the value: holding the recompute graph would keep all of it alive.
-            x = _detached(recomputed) if recomputed.requires_grad else recomputed
+            x = detached(recomputed) if recomputed.requires_grad else recomputed
             index = self.seen
             self.seen = index + 1
             if index < count:

@@ -148,7 +148,7 @@ class _Store:
         follower, self.follower = self.follower, None
         if follower.diverged:
             self.unrecorded = True
-            follower.captured = {}  # nothing of it is served: let go of what it captured now
+            follower.release()  # nothing of it is served: let go of what it captured now
             return
         for op, action, calls in follower.tape.slots:
             slot = self.slots[id(op)] = _OpSlot(op, action)
@@ -158,7 +158,7 @@ class _Store:
         self.program = follower.tape.program if follower.program_ok else None
         # Autograd keeps the forward's pack hook, and with it the follower, as long as the graph lives:
         # the kept outputs belong to the slots now, which let each go once it is served.
-        follower.captured = {}
+        follower.release()
 
     def first_sight(self, op: Any) -> _OpSlot:
         """The slot of an operator this region has not run yet, with what is known of it without asking."""
@@ -236,7 +236,7 @@ class _Forward:
         self.follower: _Follower | None = None
 
     def holds_for(self, fn: Callable, leaves: list, tensors: list[torch.Tensor], state: Any) -> Callable | None:
-        """Called by the engine before forward: which saved tensors to hold, ``(index, tensor) -> bool``."""
+        """Called by the engine before forward: which saved tensors to hold, ``(index, tensor) -> tensor | None``."""
         store = self.store
         if not store.by_rules or store.recent is not None:
             return None  # a policy function may decide on anything; names are decided in forward

@@ -53,6 +53,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..engine.nonreentrant import detached
 from .decisions import _RANDOM_WRITE, _VIEW_OR_INPLACE, _traits
 from .kept import _Draw, _keep, _Kept, _KeptOutputs, _settle
 from .program import _calls_needed, _Program, _ProgramWriter, _tracked, state_matches
@@ -273,16 +274,17 @@ class _Learner:
         offloaded = any(k.offloaded for k in kept.tensors())
         return _Source(slot.op, call, leaf, _geometry(t) == geometry, geometry, offloaded)
 
-    def hold(self, index: int, t: torch.Tensor) -> bool:
+    def hold(self, index: int, t: torch.Tensor) -> torch.Tensor | None:
+        """The engine's pack hook saw ``t``: the tensor its placeholder holds, or None (see ``run_nonreentrant``)."""
         source = self._source(t)
         self.program.pack(t)
         self.packs.append((t.shape, t.dtype, t._version, source))
-        held = source is not None and not (isinstance(source, _Source) and source.offloaded)
-        if not held:
-            # Rebuilt by the replay (an offloaded output is served to it from host memory, as recorded).
-            # The pack may come before or after its op's output is seen.
-            self.replay_end = self.ops_run + 1
-        return held
+        if source is not None and not (isinstance(source, _Source) and source.offloaded):
+            return detached(t)
+        # Rebuilt by the replay (an offloaded output is served to it from host memory, as recorded).
+        # The pack may come before or after its op's output is seen.
+        self.replay_end = self.ops_run + 1
+        return None
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
         self.modules.append(module)
@@ -377,6 +379,9 @@ class _Follower:
     def __init__(self, tape: _Tape) -> None:
         self.tape = tape
         self.captured: dict[tuple[int, int], dict[int, tuple[torch.Tensor, int]]] = {}
+        # Captured outputs held on the device, filed into ``captured`` only if a replay is served them: most
+        # regions that keep outputs never run one.  (source, the saved tensor detached, its version)
+        self.unfiled: list[tuple[_Source, torch.Tensor, int]] = []
         self.seen = 0
         self.module_calls = 0
         self.diverged = False
@@ -399,6 +404,8 @@ class _Follower:
     def _settle_offloaded(self) -> None:
         """Forward ended: as the recording mode does, a call whose offloaded output the region changed in
         place while it was being copied is recomputed instead, and the device waits for the other copies."""
+        if not self.offloads:
+            return
         stashed = []
         for key, leaves in list(self.captured.items()):
             kept = [value for value, _ in leaves.values() if isinstance(value, _Kept)]
@@ -416,27 +423,27 @@ class _Follower:
         """Whether the replay is served outputs kept in host memory."""
         return any(offloaded for _, _, offloaded in self.tape.outputs.values())
 
-    def hold(self, index: int, t: torch.Tensor) -> bool:
+    def hold(self, index: int, t: torch.Tensor) -> torch.Tensor | None:
+        """The engine's pack hook saw ``t``: the tensor its placeholder holds, or None (see ``run_nonreentrant``)."""
         packs = self.tape.packs
         self.seen = index + 1
         if self.diverged or index >= len(packs):
             self.diverged = True
-            return False
+            return None
         shape, dtype, version, source = packs[index]
         if t.shape != shape or t.dtype != dtype or t._version != version:
             self.diverged = True
-            return False
+            return None
         if source is None:
-            return False
+            return None
         if source is not _EXTERNAL:
-            self._capture(t, source)
-            return not source.offloaded
+            return self._capture(t, source, version)
         if self.program_ok:
             program = self.tape.program
             state = program.saved_state.get(index) if program is not None else None
             if state is not None and t is not program.state[state]():
                 self.program_ok = False  # the program would read the tensor the recorded forward saved here
-        return True
+        return detached(t)
 
     def _module_output(self, module: Any, args: Any, output: Any) -> None:
         number = self.module_calls
@@ -452,18 +459,39 @@ class _Follower:
                 if not isinstance(t, torch.Tensor):
                     self.diverged = True
                     return
-                self._capture(t, source)
+                self._capture(t, source, t._version)
 
-    def _capture(self, t: torch.Tensor, source: _Source) -> None:
+    def _capture(self, t: torch.Tensor, source: _Source, version: int) -> torch.Tensor | None:
+        """Capture the kept output ``t`` (at ``version``) shares storage with; returns ``t`` detached to hold,
+        or None where the output is offloaded (never held on the device)."""
+        held = detached(t)  # no grad_fn: the frame that holds it must not keep the graph alive
+        if not source.offloaded:
+            self.unfiled.append((source, held, version))
+            return held
         leaves = self.captured.setdefault((id(source.op), source.call), {})
-        if source.offloaded and source.leaf in leaves:
-            return  # saved twice: copied out once
-        value = t.detach()  # no grad_fn: the frame that holds it must not keep the graph alive
-        if not source.exact:
-            size, stride, offset = source.geometry
-            value = value.as_strided(size, stride, offset)
-        # An offloaded output starts its copy out now, as the recording mode's does when its op returns.
-        leaves[source.leaf] = (_Kept(value, offload=True) if source.offloaded else value, value._version)
+        if source.leaf not in leaves:  # else saved twice: copied out once
+            # It starts its copy out now, as the recording mode's does when its op returns.
+            value = self._output(held, source)
+            leaves[source.leaf] = (_Kept(value, offload=True), version)
+        return None
+
+    @staticmethod
+    def _output(held: torch.Tensor, source: _Source) -> torch.Tensor:
+        """The kept output itself, from a tensor that shares its storage."""
+        if source.exact:
+            return held
+        size, stride, offset = source.geometry
+        return held.as_strided(size, stride, offset)
+
+    def _file(self) -> None:
+        captured, output = self.captured, self._output
+        for source, held, version in self.unfiled:
+            captured.setdefault((id(source.op), source.call), {})[source.leaf] = (output(held, source), version)
+        self.unfiled = []
+
+    def release(self) -> None:
+        """Let go of every captured output (they belong to the replay's slots now, or are not served)."""
+        self.captured, self.unfiled = {}, []
 
     def kept(self) -> Iterator[tuple[Any, int, _Kept | _KeptOutputs]]:
         """``(op, call, kept)`` for every kept call captured whole (none if the call diverged from the tape).
@@ -473,6 +501,7 @@ class _Follower:
         """
         if self.diverged:
             return
+        self._file()
         ops = {id(op): op for op, _, _ in self.tape.slots}
         for (op_id, call), (spec, leaves, offloaded) in self.tape.outputs.items():
             captured = self.captured.get((op_id, call), {})
