@@ -127,6 +127,10 @@ class _Tape:
     outputs: dict[tuple[int, int], tuple[Any, list[Any], bool]]  # kept call -> outputs' spec, leaves, offloaded
     program: _Program | None = None  # the recomputation, run straight from the ops (see .program)
     no_program: str | None = None  # why there is none
+    offloads: bool = field(init=False)  # whether the replay is served outputs kept in host memory
+
+    def __post_init__(self) -> None:
+        self.offloads = any(offloaded for _, _, offloaded in self.outputs.values())
 
 
 @dataclass
@@ -421,7 +425,7 @@ class _Follower:
     @property
     def offloads(self) -> bool:
         """Whether the replay is served outputs kept in host memory."""
-        return any(offloaded for _, _, offloaded in self.tape.outputs.values())
+        return self.tape.offloads
 
     def hold(self, index: int, t: torch.Tensor) -> torch.Tensor | None:
         """The engine's pack hook saw ``t``: the tensor its placeholder holds, or None (see ``run_nonreentrant``)."""
