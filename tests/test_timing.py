@@ -16,7 +16,7 @@ from torch import nn
 
 from remat.planning import opgraph, timing
 from remat.planning.opgraph import profile_ops
-from remat.planning.overheads import Overheads
+from remat.planning.overheads import Overheads, _follow_figures, measure_overheads
 from remat.planning.prices import BlockPrices
 from remat.planning.timing import Clock, _cpu_clock, op_cost, time_ops
 from remat.tools.bench import interleaved_rounds
@@ -274,14 +274,36 @@ def test_profiling_tells_which_blocks_get_programs_and_leaves_no_mode_behind():
 def test_on_the_cpu_a_program_costs_its_ops_kernels_and_program_op_each():
     host, kernel = 5e-6, 1e-3
     graph = _timed_graph(False, host, kernel)
-    graph.overheads = dataclasses.replace(graph.overheads, program_op=2e-6)
+    graph.overheads = dataclasses.replace(graph.overheads, program_op=2e-6, follow_region=3e-6, follow_saved=1e-7,
+                                          follow_module=1e-6)
     o, rerun = graph.overheads, graph.program_rerun()
     prices = BlockPrices(graph)
-    # No forward policy work (the region follows its tape) and no Python rerun: the rerun ops and the machinery.
+    # The program reads the linears' parameters: following its tape watches every module call of the block
+    # (the block and its three layers).
+    assert graph.watched_calls == 4
+    follow = 3e-6 + 1e-7 * graph.saved_tensors + 1e-6 * 4
+    assert o.follow(graph.saved_tensors, graph.watched_calls) == pytest.approx(follow)
+    # No forward policy work (the region follows its tape, at ``follow``) and no Python rerun: the rerun ops and
+    # the machinery.
     assert prices.selective_time == pytest.approx(
-        o.region + o.per_saved * graph.saved_tensors + sum(graph.nodes[i].kernel_time + 2e-6 for i in rerun))
+        o.region + o.per_saved * graph.saved_tensors + follow + sum(graph.nodes[i].kernel_time + 2e-6 for i in rerun))
     assert prices.selective_time < prices.checkpoint_time
     assert all(g == pytest.approx(kernel + 2e-6 if i in rerun else 0.0) for i, g in prices.gain.items())
+    # On an accelerator the host runs ahead of the forward's kernels: following costs the rerun nothing.
+    graph.asynchronous = True
+    assert BlockPrices(graph).host_floor == pytest.approx(
+        o.region + o.per_saved * graph.saved_tensors + 2e-6 * len(rerun))
+
+
+def test_what_following_a_tape_costs_is_split_per_region_saved_tensor_and_watched_call():
+    # Chains of 1 and 16 saved tensors, 8 modules of 2 saved tensors watched in 9 calls.
+    region, saved, module = 3e-6, 1e-7, 2e-6
+    one, many, watched = region + saved, region + 16 * saved, region + 16 * saved + 9 * module
+    assert _follow_figures(one, many, watched, 16, 8) == pytest.approx((region, saved, module))
+    # Noise can make a difference negative: it counts as nothing, never as a gain.
+    assert _follow_figures(2e-6, 1e-6, 0.0, 16, 8) == (2e-6, 0.0, 0.0)
+    figures = measure_overheads(rounds=2, ops=4, modules=2)
+    assert min(figures.follow_region, figures.follow_saved, figures.follow_module) >= 0
 
 
 def test_on_the_cpu_host_and_kernel_add_up():

@@ -135,6 +135,7 @@ class BlockGraph:
     no_program: str | None = "not recorded"
     program_steps: tuple[int, ...] = ()
     fused: FusedRefill | None = None  # that rerun compiled and timed, for a profile inside fused_reruns
+    watched_calls: int = 0  # module calls a region following its tape watches: all, where its program reads state
 
     @property
     def keep_all_bytes(self) -> int:
@@ -458,6 +459,7 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
                       storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
     record.refill = record.program.keeping_nothing(record.modules, record.pack_made)
+    watched = len(record.modules) if record.refill is not None and record.refill[0].checks else 0
     record.modules = []
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
@@ -465,6 +467,7 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
         saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
         forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
         no_program=record.program.refused, program_steps=record.refill[1].order if record.refill else (),
+        watched_calls=watched,
     )
 
 
