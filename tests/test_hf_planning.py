@@ -89,6 +89,10 @@ def test_a_plan_on_a_caching_model_trains_with_gradients_equal_to_plain_training
         out, got = _grads(copied, ids, **asked)
         assert_bitwise(expected, got)
         assert out.past_key_values is None and copied.config.use_cache is True
+    replaced = model.config = model.model.config = copy.deepcopy(model.config)  # a config replaced after apply
+    out, got = _grads(model, ids, **asked)
+    assert_bitwise(expected, got)
+    assert out.past_key_values is None and replaced.use_cache is True
     model.eval()
     with torch.no_grad():
         assert model(input_ids=ids).past_key_values is not None  # evaluation keeps its cache

@@ -9,8 +9,10 @@ from conftest import hooks_on_stack
 from helpers import MLPStack, assert_bitwise, grads
 
 import remat
+from remat import CheckpointPolicy
 from remat.engine.nonreentrant import _Frame, _Placeholder
 from remat.planning.memory import measure_step
+from remat.policies import Policy
 
 
 def live(kind):
@@ -162,3 +164,25 @@ def test_a_region_is_freed_during_backward_once_its_nodes_ran():
     y.sum().backward()
     assert seen == [True]
 
+
+
+def test_followed_tapes_hold_saved_tensors_without_their_graph():
+    """A held tensor that autograd saves as its own op's output (exp) must be held detached: with its grad_fn
+    it would keep its graph, and the frame, alive forever (a cycle through C++ the collector cannot see)."""
+    keep_all = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE, name="keep every output")
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(t):
+        return (t @ w).exp().sum(0)
+
+    def step(backward: bool) -> None:
+        y = remat.checkpoint(fn, torch.randn(8, 8, requires_grad=True), policy=keep_all)
+        if backward:
+            y.sum().backward()
+
+    step(True)  # records the tape: the calls below follow it
+    frames, placeholders = live(_Frame), live(_Placeholder)
+    for i in range(6):
+        step(backward=i % 2 == 1)
+    assert live(_Frame) == frames
+    assert live(_Placeholder) == placeholders

@@ -185,17 +185,21 @@ def test_a_forward_that_parts_from_its_tape_runs_every_op_again_in_backward():
     assert tape is not None and asked[0] == 0  # the last call followed the tape again
 
 
-def test_a_kept_output_modified_after_forward_is_an_error_in_tape_mode_too():
+@pytest.mark.parametrize("saved", [False, True], ids=["served-by-replay", "held-by-a-followed-tape"])
+def test_a_kept_output_modified_after_forward_is_an_error_in_tape_mode_too(saved):
     w = torch.randn(4, 4, requires_grad=True)
     leak = {}
 
     def fn(t):
         h = t @ w
         leak["h"] = h
-        return (h + 1).sin()
+        return h.sin() if saved else (h + 1).sin()  # sin saves h itself: the follower holds and captures it
 
     x = torch.randn(4, 4, requires_grad=True)
+    _books.pop(save_matmuls, None)
     remat.checkpoint(fn, x, policy=save_matmuls).sum().backward()  # learns the tape
+    # Only where autograd saves the kept matmul can a tape capture it (else every call is recorded).
+    assert (next(iter(_books[save_matmuls].tapes.values()))[1] is not None) is saved
     y = remat.checkpoint(fn, x, policy=save_matmuls)
     with torch.no_grad():
         leak["h"].add_(1.0)
@@ -369,3 +373,38 @@ def test_a_plan_applied_again_follows_the_tapes_it_learned():
     assert_bitwise(expected[1], got[1])
     assert again == first and all(rules is other for rules, other in zip(again, first))
     assert [{key: entry[1] for key, entry in _books[rules].tapes.items()} for rules in again] == learned
+
+
+def test_a_followed_forward_waits_for_its_copies_out_and_lets_their_device_memory_go(monkeypatch):
+    """An output offloaded by policy and reached only as a module's output is copied out by the follower too:
+    when forward ends the device waits for the copy and the tensor's device memory is let go, as after a
+    recorded forward."""
+    from remat.policies import tape
+    from remat.policies.hostcopy import HostDevice, use_device_model
+    from remat.policies.kept import _Kept
+
+    followers = []
+    exit_ = tape._Follower.exit
+    monkeypatch.setattr(tape._Follower, "exit", lambda self: (followers.append(self), exit_(self))[1])
+    offload_max = Policy(op_rule=lambda op: CheckpointPolicy.MUST_CPU_OFFLOAD if op is torch.ops.aten.max.dim
+                         else None, name="offload max")
+
+    class RowMax(nn.Module):
+        def forward(self, w):
+            return torch.max(w, dim=1)[0]  # its indices reach nothing: the call is not one the replay is served
+
+    row_max = RowMax()
+
+    def region(x, c):
+        return x.sin() + row_max(c * 2)
+
+    x, c = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    expected = grads(lambda: region(x, c).sum(), [x])[1]
+    with use_device_model("cpu", HostDevice(separate_memory=True)):
+        for _ in range(3):
+            y = remat.checkpoint(region, x, c, policy=offload_max)
+            assert_bitwise(expected, torch.autograd.grad(y.sum(), [x]))
+    assert len(followers) == 2
+    for follower in followers:
+        kept = [value for leaves in follower.captured.values() for value, _ in leaves.values()]
+        assert kept and all(isinstance(k, _Kept) and k.value is None and k.stashed is not None for k in kept)

@@ -67,8 +67,9 @@ def cache_off(model: nn.Module, kwargs: dict[str, Any], who: str) -> Iterator[di
 def cache_off_in_training(model: nn.Module) -> None:
     """Run ``model``'s training-mode forwards with ``use_cache=False`` from now on (until
     :func:`restore_cache`), warning once now if its config has the cache on.  Idempotent; nothing to do
-    for a model without a Hugging Face-style ``config.use_cache``.  The configs are those its modules have
-    now (a submodule swapped in later with a config of its own is not switched).
+    for a model without a Hugging Face-style ``config.use_cache``.  The configs are the model's own (looked
+    up at each call) and those its submodules have now (a submodule swapped in later with a config of its
+    own is not switched).
 
     Example:
         >>> cache_off_in_training(model)   # Plan.apply does this
@@ -89,8 +90,13 @@ def cache_off_in_training(model: nn.Module) -> None:
 
 
 def _cache_off_before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    configs = module.__dict__.get(_CONFIGS, ()) if module.training else ()
-    switched = [config for config in configs if config.use_cache is True]
+    switched = []
+    if module.training:
+        configs = module.__dict__.get(_CONFIGS, [])
+        own = getattr(module, "config", None)  # the model's own config may have been replaced since
+        if isinstance(getattr(own, "use_cache", None), bool) and all(own is not c for c in configs):
+            configs = [*configs, own]
+        switched = [config for config in configs if config.use_cache is True]
     for config in switched:
         config.use_cache = False
     module.__dict__.setdefault(_SWITCHED, []).append(switched)  # a stack: forwards may nest

@@ -408,7 +408,7 @@ class _Follower:
     def _settle_offloaded(self) -> None:
         """Forward ended: as the recording mode does, a call whose offloaded output the region changed in
         place while it was being copied is recomputed instead, and the device waits for the other copies."""
-        if not self.offloads:
+        if not self.captured:  # what it holds there is offloaded (the rest waits in ``unfiled``)
             return
         stashed = []
         for key, leaves in list(self.captured.items()):
