@@ -487,7 +487,7 @@ class _Follower:
         size, stride, offset = source.geometry
         return held.as_strided(size, stride, offset)
 
-    def _file(self) -> None:
+    def _file_captures(self) -> None:
         captured, output = self.captured, self._output
         for source, held, version in self.unfiled:
             captured.setdefault((id(source.op), source.call), {})[source.leaf] = (output(held, source), version)
@@ -505,7 +505,7 @@ class _Follower:
         """
         if self.diverged:
             return
-        self._file()
+        self._file_captures()
         ops = {id(op): op for op, _, _ in self.tape.slots}
         for (op_id, call), (spec, leaves, offloaded) in self.tape.outputs.items():
             captured = self.captured.get((op_id, call), {})
