@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from ..policies.offload import offload
 from .checkpoint import checkpoint
@@ -33,7 +32,6 @@ __all__ = [
 ]
 
 _WRAPPED = "_checkpoint_wrapped_module"
-_python_dispatch_off = torch._C._DisableTorchDispatch
 _PREFIX = _WRAPPED + "."
 
 
@@ -105,59 +103,6 @@ def _kwargs_as_positional(fn: Callable, args: tuple, kwargs: dict) -> tuple[Call
     return call, (*args, *kwargs.values())
 
 
-class _KeepsStateOnce:
-    """Calls a module for :func:`remat.checkpoint`: the first call is its forward, later ones recompute it.
-
-    A recomputation must not change the module's state a second time: BatchNorm's running statistics and
-    ``num_batches_tracked`` (or any buffer the forward writes in place) would otherwise be updated once by
-    the forward and again by every recomputation.  The first call notes which buffers the forward wrote
-    (their version counters moved, or they are a training normalization layer's running statistics, which
-    its kernel writes without moving them); each later call puts those buffers back as it found them.  The copies
-    run with Python dispatch off, so selective-checkpoint and determinism modes never see them.
-    """
-
-    __slots__ = ("__wrapped__", "written")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.__wrapped__ = module  # what error messages name (see remat.engine.checks.describe_function)
-        self.written: list[torch.Tensor] | None = None
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.__wrapped__
-        if self.written is None:
-            buffers = list(module.buffers())
-            if not buffers:  # nothing a forward could update (most transformer blocks)
-                self.written = []
-                return module(*args, **kwargs)
-            versions = [b._version for b in buffers]
-            out = module(*args, **kwargs)
-            self.written = [b for b, v in zip(buffers, versions) if b._version != v]
-            self.written += _running_statistics(module, self.written)
-            return out
-        if not self.written:
-            return module(*args, **kwargs)
-        with _python_dispatch_off(), torch.no_grad():
-            before = [b.clone() for b in self.written]
-        try:
-            return module(*args, **kwargs)
-        finally:
-            with _python_dispatch_off(), torch.no_grad():
-                for buffer, value in zip(self.written, before):
-                    # Through .data: the version counter stays where the recomputation left it, as the
-                    # reentrant variant's graph of the recomputation saved it (BatchNorm saves its statistics).
-                    buffer.data.copy_(value)
-
-
-def _running_statistics(module: nn.Module, known: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Running statistics a normalization layer in training updates without moving their version counters."""
-    found = []
-    for layer in module.modules():
-        if isinstance(layer, _NormBase) and layer.training and layer.track_running_stats:
-            found += [t for t in (layer.running_mean, layer.running_var)
-                      if t is not None and not any(t is k for k in (*known, *found))]
-    return found
-
-
 class CheckpointWrapper(ActivationWrapper):
     """Runs the wrapped module under :func:`remat.checkpoint`.
 
@@ -187,8 +132,6 @@ class CheckpointWrapper(ActivationWrapper):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         module = self._checkpoint_wrapped_module
-        if not torch.compiler.is_compiling():  # a compiled graph updates buffers once, in its forward
-            module = _KeepsStateOnce(module)
         if kwargs and self.checkpoint_impl is CheckpointImpl.REENTRANT:
             call, flat = _kwargs_as_positional(module, args, kwargs)
             return self.checkpoint_fn(call, *flat)

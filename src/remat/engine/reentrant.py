@@ -72,12 +72,13 @@ class CheckpointFunction(torch.autograd.Function):
         check_backward_validity(args)
         ctx.run_function = run_function
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.replay_state = ReplayState.capture(tensors, preserve_rng_state)
+        ctx.replay_state = ReplayState.capture(tensors, preserve_rng_state, run_function)
         ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.save_for_backward(*tensors)
         with torch.no_grad():
             outputs = run_function(*args)
+        ctx.replay_state.forward_done()
         if preserve_rng_state:
             ctx.replay_state.check_device_not_initialized_by("a reentrant checkpointed function")
         return outputs

@@ -1,12 +1,14 @@
-"""Global state that a recomputation must reproduce: RNG streams and autocast.
+"""State that a recomputation must reproduce: RNG streams, autocast, and the buffers forward wrote.
 
 A checkpointed region is run twice: once in forward, once when backward needs
 its activations.  Dropout and every other random op must draw the same numbers
-both times, and autocast must pick the same dtypes, or the recomputed
+both times, autocast must pick the same dtypes, and a module's buffers must
+hold what forward found in them (:mod:`.buffers`), or the recomputed
 activations differ from the ones autograd would have saved.
 
 :class:`ReplayState` captures that state when a region starts and restores it
-around the recomputation, leaving the caller's RNG exactly where it was.
+around the recomputation, leaving the caller's RNG and the buffers exactly
+where they were.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from .buffers import RegionBuffers
 
 __all__ = [
     "DefaultDeviceType",
@@ -176,7 +180,7 @@ class ReplayState:
     """
 
     __slots__ = ("device_type", "device_was_up", "cpu_rng", "device_ids", "device_rngs", "device_autocast",
-                 "cpu_autocast")
+                 "cpu_autocast", "buffers")
 
     def __init__(self) -> None:
         self.device_type = "cpu"
@@ -186,12 +190,14 @@ class ReplayState:
         self.device_rngs: list[torch.Tensor] = []
         self.device_autocast: tuple[bool, torch.dtype, bool] | None = None
         self.cpu_autocast: tuple[bool, torch.dtype, bool] | None = None
+        self.buffers: RegionBuffers | None = None
 
     @classmethod
-    def capture(cls, tensors: Iterable[torch.Tensor], preserve_rng: bool) -> ReplayState:
-        """Capture the state that the region about to run will see."""
+    def capture(cls, tensors: Iterable[torch.Tensor], preserve_rng: bool, fn: Any = None) -> ReplayState:
+        """Capture the state that the region about to run (``fn``, whose modules' buffers are copied) will see."""
         tensors = list(tensors)
         state = cls()
+        state.buffers = RegionBuffers.before_forward(fn)
         state.device_type = infer_device_type(tensors)
         state.cpu_autocast = _autocast_settings("cpu")
         if state.device_type != "cpu":
@@ -202,6 +208,13 @@ class ReplayState:
             if state.device_was_up:
                 state.device_ids, state.device_rngs = get_device_states(*tensors)
         return state
+
+    def forward_done(self) -> None:
+        """The region's forward ended: keep only what it wrote of the buffers."""
+        if self.buffers is not None:
+            self.buffers.after_forward()
+            if not self.buffers.written:
+                self.buffers = None
 
     def device_initialized(self) -> bool:
         """Whether the accelerator of this region has an initialized context."""
@@ -240,6 +253,7 @@ class ReplayState:
             with (
                 _autocast_context(self.device_type, self.device_autocast),
                 _autocast_context("cpu", self.cpu_autocast),
+                self.buffers.as_forward_found() if self.buffers is not None else contextlib.nullcontext(),
             ):
                 yield
         finally:
