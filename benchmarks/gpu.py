@@ -24,8 +24,7 @@ modes in one phase, compiled ones in a second, both with plain eager as the refe
   ``activation_memory_budget`` is patched around every step of its mode, so it is in effect when the graph
   compiles at the first call (and at any recompilation).
 * remat's plans at 70/50/30% come from one ``remat.profile`` and are shown with predicted vs measured peak
-  and extra time (the ``plan-*-fused`` rows from a second profile, taken inside ``fused_reruns``: priced
-  as fused reruns run); compiled, a plan is applied and the model then compiled (remat lowers its wrappers into
+  and extra time; compiled, a plan is applied and the model then compiled (remat lowers its wrappers into
   the compiler's own rematerialization under dynamo).
 
 A row that runs out of memory reads OOM; the other rows go on.  Without CUDA (and without ``--device cpu``)
@@ -260,10 +259,8 @@ class Mode:
     refused: str | None = None  # why the mode cannot run (a plan the budget refused)
 
 
-def eager_modes(work: Workload, plans: dict[float, remat.Plan | str],
-                fused_plans: dict[float, remat.Plan | str] | None = None) -> list[Mode]:
-    """Every eager mode on the one shared model (plans: by fraction, or the reason there is none; fused_plans:
-    those of a profile taken inside fused_reruns, for the plan rows with fused reruns)."""
+def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mode]:
+    """Every eager mode on the one shared model (plans: by fraction, or the reason there is none)."""
     model, device_type = work.model, work.device.type
 
     def through(key: str, label: str, fn: Callable[..., Any]) -> Mode:
@@ -271,16 +268,6 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str],
 
     def around(key: str, label: str, context: Callable[[], Any]) -> Mode:
         return Mode(key, label, lambda: work.step(context=context))
-
-    def rerun(key: str, label: str, fn: Callable[..., Any]) -> Mode:
-        """Layers through ``fn``, following their tapes but rerunning their Python code in backward instead of
-        refilling from their programs (the A/B of remat.policies.program)."""
-        @contextlib.contextmanager
-        def installed() -> Any:
-            with _layers_through(model, fn), remat.policies.tapes(True, programs=False):
-                yield
-
-        return Mode(key, label, work.step, installed)
 
     modes = [
         Mode("plain", "plain", work.step),
@@ -290,8 +277,6 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str],
                 functools.partial(remat.checkpoint, use_reentrant=False)),
         through("torch-sac", "torch SAC, torchtitan's save list (mm, SDPA)", _torch_sac(_save_listed)),
         through("remat-save-matmuls", "remat save_matmuls", functools.partial(
-            remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
-        rerun("remat-save-matmuls-rerun", "remat save_matmuls, Python rerun (no program)", functools.partial(
             remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
         through("torch-save-all", "torch SAC saving every op", _torch_sac(_save_every_op)),
         through("remat-save-all", "remat policy saving every op", _remat_policy(_save_every_op, "save every op")),
@@ -305,8 +290,7 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str],
         around("remat-offload", "remat offload()", lambda: remat.offload(device_type=device_type)),
     ]
     modes += [_plan_mode(work, fraction, plan) for fraction, plan in plans.items()]
-    return modes + [_fused(mode) for mode in modes if mode.key in FUSED_OF and not mode.key.startswith("plan-")] \
-        + [_fused(_plan_mode(work, fraction, plan)) for fraction, plan in (fused_plans or {}).items()]
+    return modes
 
 
 def _plan_mode(work: Workload, fraction: float, plan: remat.Plan | str) -> Mode:
@@ -315,16 +299,6 @@ def _plan_mode(work: Workload, fraction: float, plan: remat.Plan | str) -> Mode:
         return Mode(key, f"remat plan {fraction:.0%}", work.step, refused=plan)
     return Mode(key, f"remat plan {fraction:.0%} ({_decision_counts(plan)})", work.step,
                 lambda: _planned(work.model, plan))
-
-
-def _fused(mode: Mode) -> Mode:
-    """``mode`` with its regions' reruns compiled into one graph each (``remat.policies.fused_reruns``)."""
-    @contextlib.contextmanager
-    def installed() -> Any:
-        with mode.installed(), remat.policies.fused_reruns():
-            yield
-
-    return Mode(f"{mode.key}-fused", f"{mode.label}, reruns fused", mode.step, installed, mode.refused)
 
 
 def _plan_key(fraction: float) -> str:
@@ -383,12 +357,9 @@ def _decision_counts(plan: remat.Plan) -> str:
     return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-# Modes also run with their reruns fused (key + "-fused", remat.policies.fused_reruns): checkpoint and policies.
-FUSED_OF = ("remat-ckpt", "remat-save-matmuls", "remat-elementwise", *(_plan_key(f) for f in PLAN_FRACTIONS))
-EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "remat-save-matmuls-rerun",
-              "torch-save-all",
+EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "torch-save-all",
               "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
-              "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS), *(f"{k}-fused" for k in FUSED_OF)]
+              "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS)]
 COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",
                  *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS)]
 
@@ -470,11 +441,10 @@ def run_phase(work: Workload, modes: list[Mode], rounds: int, warmup: int, name:
     return rows
 
 
-def _profile_plans(work: Workload, fractions: list[float], repeats: int, save_to: str | None = None,
-                   fused: bool = False) -> dict[float, remat.Plan | str]:
-    """Plans at ``fractions`` from one profile (inside fused_reruns where ``fused``: priced as fused reruns)."""
-    with remat.policies.fused_reruns() if fused else contextlib.nullcontext():
-        prof = remat.profile(work.model, repeats=repeats, **work.inputs)
+def _profile_plans(work: Workload, fractions: list[float], repeats: int,
+                   save_to: str | None = None) -> dict[float, remat.Plan | str]:
+    """Plans at ``fractions`` from one profile."""
+    prof = remat.profile(work.model, repeats=repeats, **work.inputs)
     if save_to:
         # the profile holds no tensors: re-planning from it elsewhere (a CPU machine) uses this device's prices
         with open(save_to, "wb") as f:
@@ -483,7 +453,7 @@ def _profile_plans(work: Workload, fractions: list[float], repeats: int, save_to
     for fraction in fractions:
         try:
             plans[fraction] = prof.plan(fraction)
-            print(f"\nplan {fraction:.0%}{', reruns fused' if fused else ''}:\n{plans[fraction]}")
+            print(f"\nplan {fraction:.0%}:\n{plans[fraction]}")
         except remat.InfeasibleBudget as error:
             plans[fraction] = f"refused: the smallest plan peaks at {_mib(error.smallest - error.param_bytes)} MiB"
     del prof
@@ -652,16 +622,13 @@ def main(argv: list[str] | None = None) -> int:
 
     fractions = [f for f in PLAN_FRACTIONS if {_plan_key(f), f"compiled-{_plan_key(f)}"} & set(keys)]
     plans = _profile_plans(work, fractions, args.profile_repeats, args.save_profile) if fractions else {}
-    fused_fractions = [f for f in PLAN_FRACTIONS if f"{_plan_key(f)}-fused" in keys]
-    fused_plans = _profile_plans(work, fused_fractions, args.profile_repeats, fused=True) if fused_fractions else {}
-    eager = [m for m in eager_modes(work, plans, fused_plans) if m.key in keys]
+    eager = [m for m in eager_modes(work, plans) if m.key in keys]
     rows = run_phase(work, eager, args.rounds, args.warmup, "eager")
-    for suffix, made in (("", plans), ("-fused", fused_plans)):
-        for fraction, plan in made.items():
-            row = rows.get(_plan_key(fraction) + suffix)
-            if row is not None and not isinstance(plan, str):
-                row.predicted_peak = plan.predicted_peak - plan.param_bytes
-                row.predicted_extra, row.predicted_step = plan.predicted_extra_time, plan.step_time
+    for fraction, plan in plans.items():
+        row = rows.get(_plan_key(fraction))
+        if row is not None and not isinstance(plan, str):
+            row.predicted_peak = plan.predicted_peak - plan.param_bytes
+            row.predicted_extra, row.predicted_step = plan.predicted_extra_time, plan.step_time
     entries = summarize(rows, rows["plain"])
     work.free()
     # The eager table is printed (and saved) before the compiled phase starts: compiling every mode takes

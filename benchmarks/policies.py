@@ -5,8 +5,6 @@ Run by hand (never in CI):
     python benchmarks/policies.py                      # both models, 15 rounds
     python benchmarks/policies.py --models demo --repeats 21
     python benchmarks/policies.py --models tiny --repeats 41   # per-operator dispatch cost
-    python benchmarks/policies.py --models tiny-follows --variants plain full remat-policy remat-policy-rerun \
-        remat-policy-recorded --repeats 21   # host cost of tapes and programs
 
 Two policies: keep the outputs of ``remat.policies.MATMUL_OPS``, or keep every op's output (nothing is
 recomputed, so what it costs above plain is the machinery alone).  Variants:
@@ -15,16 +13,10 @@ recomputed, so what it costs above plain is the machinery alone).  Variants:
 * ``torch-sac`` — ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with torch's
   ``create_selective_checkpoint_contexts`` and a policy function returning torch's ``CheckpointPolicy``;
 * ``remat-ctx`` — ``remat.checkpoint`` with remat's ``create_selective_checkpoint_contexts`` and the *same*
-  policy function (``context_fn=``): a policy function is asked on every call, so no tape;
-* ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers),
-  following each block's tape after its first call (:mod:`remat.policies.tape`) and refilled in backward
-  from its program (:mod:`remat.policies.program`); ``remat-policy-rerun`` — the same with the block's
-  Python code rerun in backward instead (``tapes(True, programs=False)``); ``remat-policy-fused`` — the
-  same with each refill compiled into one graph by Inductor (``remat.policies.fused_reruns()``: gradients
-  match to rounding, so ``--check`` compares it with a tolerance);
-  ``remat-policy-recorded`` — the same under ``remat.policies.tapes(False)``: every call recorded;
-* ``torch-sac-all``, ``remat-all``, ``remat-all-recorded`` — the keep-everything policy, in torch's SAC,
-  in remat with tapes, and in remat with every call recorded.
+  policy function (``context_fn=``);
+* ``remat-policy`` — ``remat.apply_activation_checkpointing(model, policy=save_matmuls)`` (the wrappers,
+  with remat's rules policy: asked once per op, no context object per call);
+* ``torch-sac-all``, ``remat-all`` — the keep-everything policy, in torch's SAC and in remat.
 
 The table's last column is the host time per forward op above plain: (variant − plain) / the number of
 aten ops the plain forward runs — the per-op price of the machinery on the ``tiny`` model.
@@ -33,9 +25,7 @@ Models: ``gpt`` (the ``remat bench`` case: 6 GPT blocks, d 256, 4 heads, seq 256
 random float input), ``demo`` (the ``remat demo`` defaults: ``remat.models.GPT`` with 4 blocks, d 128,
 4 heads, seq 256, vocab 512, batch 8, dropout 0.1, cross-entropy loss) and ``tiny`` (8 blocks of 60 ops on
 4x16 tensors, a 16x16 matmul every fourth op: launch-bound, so the per-operator cost of the policy's
-dispatch modes dominates; each matmul feeds a ``tanh``, which saves its output, so no tape captures the kept
-matmul and every call is recorded), and ``tiny-follows`` (the same with ``sin`` after each matmul: its calls
-after the first follow their tapes, so it measures the tape and the program).
+dispatch modes dominates).
 
 Each round times one training step (zero grads, forward, backward) of every variant, the order rotated
 round to round so machine noise hits all alike; warm-up rounds are excluded.  Time ratios are taken within
@@ -66,12 +56,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat import CheckpointPolicy
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.policies import Policy, fused_reruns, tapes
+from remat.policies import Policy
 from remat.policies.rules import MATMUL_OPS, save_matmuls
 from remat.tools.bench import Chain
 
-VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy", "remat-policy-rerun", "remat-policy-recorded",
-            "remat-policy-fused", "torch-sac-all", "remat-all", "remat-all-recorded")
+VARIANTS = ("plain", "full", "torch-sac", "remat-ctx", "remat-policy", "torch-sac-all", "remat-all")
 
 
 def keep_matmuls(ctx, op, *args, **kwargs):
@@ -117,38 +106,17 @@ def _remat_all(block, x):
     return remat.checkpoint(block, x, policy=save_everything)
 
 
-def _recorded(run: Callable, follow: bool = False) -> Callable:
-    """``run`` with every call recorded, or (``follow=True``) following tapes but rerunning the region's
-    Python code in backward instead of its program."""
-    def recorded(block, x):
-        with tapes(follow, programs=False):
-            return run(block, x)
-
-    return recorded
-
-
-def _fused(block, x):
-    with fused_reruns():
-        return block(x)
-
-
 _RUNS = {"full": remat.checkpoint, "torch-sac": _torch_sac, "remat-ctx": _remat_ctx, "torch-sac-all": _torch_sac_all,
-         "remat-all": _remat_all, "remat-all-recorded": _recorded(_remat_all)}
+         "remat-all": _remat_all}
 
 
 def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
     """A copy of ``model`` whose blocks run under ``variant``."""
     model = copy.deepcopy(model)
     blocks = getattr(model, blocks_attr)
-    if variant in ("remat-policy", "remat-policy-rerun", "remat-policy-recorded",
-            "remat-policy-fused", "remat-policy-fused"):
+    if variant == "remat-policy":
         chosen = {id(block) for block in blocks}
         remat.apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen, policy=save_matmuls)
-        if variant != "remat-policy":
-            run = _fused if variant == "remat-policy-fused" else _recorded(
-                lambda b, x: b(x), follow=variant == "remat-policy-rerun")
-            for i, block in enumerate(blocks):
-                blocks[i] = _Wrapped(block, run)
     elif variant != "plain":
         for i, block in enumerate(blocks):
             blocks[i] = _Wrapped(block, _RUNS[variant])
@@ -156,20 +124,17 @@ def _prepare(model: nn.Module, blocks_attr: str, variant: str) -> nn.Module:
 
 
 class _TinyBlock(nn.Module):
-    """20 × (an op, a square, a shift); every 4th op a matmul then ``tanh`` (which saves its output, so no
-    tape can capture the kept matmul: every call is recorded) or, ``follows=True``, ``sin`` (saves its input:
-    calls after the first follow the tape)."""
+    """20 × (an op, a square, a shift); every 4th op a matmul then ``tanh``."""
 
-    def __init__(self, follows: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(16, 16) / 4)
-        self.follows = follows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(20):
             if i % 4 == 0:
                 x = x @ self.weight
-                x = x.sin() if self.follows else x.tanh()
+                x = x.tanh()
             else:
                 x = x.sin()
             x = x * x
@@ -200,18 +165,17 @@ def _models() -> dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], t
 
         return model, loss, "demo GPT: 4 blocks, d 128, seq 256, batch 8 (remat demo defaults)"
 
-    def tiny(follows: bool = False):
+    def tiny():
         torch.manual_seed(0)
-        model = Chain(nn.ModuleList(_TinyBlock(follows) for _ in range(8)))
+        model = Chain(nn.ModuleList(_TinyBlock() for _ in range(8)))
         x = torch.randn(4, 16)
 
         def loss(m):
             return m(x.clone().requires_grad_()).sum()
 
-        kind = "sin after each matmul (tapes followed)" if follows else "tanh after each matmul (never followed)"
-        return model, loss, f"8 blocks x 60 ops on 4x16, a 16x16 matmul every 4th op, {kind} (launch-bound)"
+        return model, loss, "8 blocks x 60 ops on 4x16, a 16x16 matmul every 4th op (launch-bound)"
 
-    return {"gpt": gpt, "demo": demo, "tiny": tiny, "tiny-follows": functools.partial(tiny, True)}
+    return {"gpt": gpt, "demo": demo, "tiny": tiny}
 
 
 class _CountOps(TorchDispatchMode):
@@ -237,11 +201,6 @@ def _step(model: nn.Module, loss: Callable, seed: int) -> None:
     loss(model).backward()
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, variant: str) -> bool:
-    """Bitwise, or to rounding for fused reruns (a compiler reorders their reductions)."""
-    return torch.allclose(a, b, rtol=1e-4, atol=1e-6) if variant.endswith("-fused") else torch.equal(a, b)
-
-
 def _quartiles(samples: list[float]) -> tuple[float, float, float]:
     q1, q2, q3 = statistics.quantiles(samples, n=4)
     return q1, statistics.median(samples), q3
@@ -261,7 +220,7 @@ def run_model(name: str, variants: list[str], repeats: int, warmup: int, check: 
             found = [p.grad.clone() for p in models[v].parameters()]
             if reference is None:
                 reference = found
-            elif not all(_same(a, b, v) for a, b in zip(reference, found)):
+            elif not all(torch.equal(a, b) for a, b in zip(reference, found)):
                 raise AssertionError(f"{name}: {v}'s gradients differ from {variants[0]}'s")
     now = _CLOCKS[clock]
     times: dict[str, list[float]] = {v: [] for v in variants}

@@ -144,33 +144,3 @@ def test_data_checks_answered_on_meta_take_the_path_real_data_takes(build):
         on_meta = remat.profile(model, input_ids=ids, labels=ids, device="meta", ops=False)
         measured = remat.profile(real, input_ids=real_ids, labels=real_ids, repeats=1, ops=False)
     assert [r.act_bytes for r in on_meta.rows] == [r.act_bytes for r in measured.rows]
-
-
-def test_every_selective_point_of_a_llama_layer_follows_its_tape():
-    # An RMSNorm's mean only feeds an add: nothing saves it and no module returns it, so a region keeping it
-    # would record every forward (a tape cannot capture it); the planner never keeps such outputs.
-    from remat.planning.fronts import block_front, policy_for, thin_front
-    from remat.planning.opgraph import profile_ops
-    from remat.planning.overheads import Overheads
-    from remat.policies.tape import _books
-
-    model = _llama("sdpa")
-    model.config.use_cache = False
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    ops = profile_ops(model, ids, timing="estimate", overheads=Overheads(0.0, 0.0, 0.0, 0.0, 0.0))
-    graph = ops.blocks["model.layers.0"]
-    means = [n for n in graph.nodes if n.op == "aten.mean.dim"]
-    assert means and not any(n.reachable or n.index in graph.keepable for n in means)
-    points = [p for p in thin_front(block_front(graph), 8) if p.mode == "selective"]
-    assert points
-    layers = model.model.layers
-    for point in points:
-        policy = policy_for(graph, point)
-        planned = copy.deepcopy(model)
-        for i, layer in enumerate(planned.model.layers):
-            planned.model.layers[i] = policy.wrap(layer)
-        _books.clear()
-        for _ in range(2):
-            planned(input_ids=ids, labels=ids).loss.backward()
-        tapes = [tape for book in _books.values() for _, tape in book.tapes.values()]
-        assert len(tapes) == len(layers) and all(tape is not None for tape in tapes), point

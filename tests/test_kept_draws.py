@@ -210,21 +210,3 @@ def test_demo_block_with_its_masks_kept_holds_exactly_the_predicted_bytes_and_th
     with_draws = [p for p in front if set(p.kept) & set(draws)]
     assert with_draws and policy_for(graph, with_draws[0]).kept
     assert any(op == "aten.bernoulli_.float" for op, _ in policy_for(graph, with_draws[-1]).kept)
-
-
-def test_a_point_keeping_a_draw_of_a_block_with_a_program_is_priced_as_the_python_rerun_it_runs():
-    # A region keeping an in-place draw by value is recorded on every call and reruns its Python code; its
-    # block's program (the masks rebuilt, see remat.policies.inplace) runs only while no draw is kept.
-    block, shape = _gpt_block(seq_len=64, d_model=32)
-    graph = profile_ops(nn.Sequential(block), torch.randn(shape, requires_grad=True), modules=["0"],
-                        timing="estimate", overheads=dataclasses.replace(FIXED, program_op=2e-6)).blocks["0"]
-    assert graph.runs_program
-    graph.nodes = [dataclasses.replace(n, kernel_time=n.out_bytes * 2e-9) if n.random else n for n in graph.nodes]
-    recorded = dataclasses.replace(graph, no_program="keeps a draw")
-    draws = [n.index for n in graph.nodes if n.random]
-    for draw in draws:
-        assert evaluate(graph, "selective", [draw]).extra_time == evaluate(recorded, "selective", [draw]).extra_time
-    front = block_front(graph)
-    for point in front:
-        priced = recorded if set(point.kept) & set(draws) else graph
-        assert point.extra_time == evaluate(priced, point.mode, point.kept).extra_time

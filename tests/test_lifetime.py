@@ -166,9 +166,9 @@ def test_a_region_is_freed_during_backward_once_its_nodes_ran():
 
 
 
-def test_followed_tapes_hold_saved_tensors_without_their_graph():
-    """A held tensor that autograd saves as its own op's output (exp) must be held detached: with its grad_fn
-    it would keep its graph, and the frame, alive forever (a cycle through C++ the collector cannot see)."""
+def test_selective_regions_leave_no_frame_behind_across_steps():
+    """A kept output autograd saves as its own op's output (exp) must be kept detached: with its grad_fn it
+    would keep its graph, and the frame, alive forever (a cycle through C++ the collector cannot see)."""
     keep_all = Policy(op_rule=lambda op: CheckpointPolicy.MUST_SAVE, name="keep every output")
     w = torch.randn(8, 8, requires_grad=True)
 
@@ -180,7 +180,7 @@ def test_followed_tapes_hold_saved_tensors_without_their_graph():
         if backward:
             y.sum().backward()
 
-    step(True)  # records the tape: the calls below follow it
+    step(True)
     frames, placeholders = live(_Frame), live(_Placeholder)
     for i in range(6):
         step(backward=i % 2 == 1)

@@ -27,7 +27,6 @@ import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.policies.hostcopy import HostDevice, TorchDevice, use_device_model
 from remat.policies.hostpool import size_class
-from remat.policies.tape import _books
 
 
 @pytest.fixture
@@ -147,8 +146,7 @@ def test_dispatch_modes_never_see_the_engines_copies(entry):
     x = torch.randn(8, 16, requires_grad=True)
     seen = []
     for device in (HostDevice(), FakeDevice()):  # the first moves nothing (save_on_cpu, policy) or copies on the spot
-        _books.clear()
-        for _ in range(2):  # a policy's region records, then follows its tape
+        for _ in range(2):  # the second step runs as the first: nothing carries over
             with use_device_model("cpu", device), OpNames() as names:
                 torch.autograd.grad(ENTRY_POINTS[entry](model, x), [x, *model.parameters()])
             seen.append(names.ops)
@@ -566,8 +564,7 @@ def _checkpointed(block, x, context_fn):
 
 
 def _offloading(rule_ops):
-    """A rules policy offloading ``rule_ops``' outputs, with a count of how often remat asks it (only while it
-    records a forward: a region that follows its tape never asks)."""
+    """A rules policy offloading ``rule_ops``' outputs, with a count of how often remat asks it."""
     asked = [0]
 
     def op_rule(op):
@@ -578,7 +575,7 @@ def _offloading(rule_ops):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25])
-def test_an_offloading_policy_follows_its_tape_and_copies_the_same_every_step(fake, p):
+def test_an_offloading_policy_is_asked_and_copies_the_same_every_step(fake, p):
     torch.manual_seed(0)
     model = MLPStack(depth=3, p=p)
     x = torch.randn(4, 16, requires_grad=True)
@@ -592,7 +589,7 @@ def test_an_offloading_policy_follows_its_tape_and_copies_the_same_every_step(fa
         wrap = functools.partial(_checkpointed, context_fn=ctx)
         got = grads(lambda: model(x, wrap=wrap).sum(), params, seed=step)  # noqa: B023 - called at once
         assert_bitwise(expected[1], got[1])
-        assert (asked[0] > 0) == (step == 0)  # from the second step on the regions follow their tapes
+        assert asked[0] > 0  # every call decides for itself: nothing of an earlier step is followed
         new = fake.copies[copies:]
         per_step.append((stats.offloaded_tensors, stats.offloaded_bytes, sum(c.to_host for c in new),
                          sum(not c.to_host for c in new)))
@@ -600,25 +597,7 @@ def test_an_offloading_policy_follows_its_tape_and_copies_the_same_every_step(fa
     assert not fake.calls("host waits")
 
 
-def test_a_followed_tape_holds_the_bytes_of_a_recorded_forward(fake):
-    # Held in a placeholder, an offloaded output would stay on the device besides its host copy.
-    torch.manual_seed(0)
-    block = MLPStack(depth=1, width=64, hidden=256, p=0.0).blocks[0]
-    x = torch.randn(128, 64, requires_grad=True)
-    policy, asked = _offloading(remat.policies.MATMUL_OPS)
-
-    def step():
-        remat.checkpoint(block, x, policy=policy).sum().backward()
-
-    step()  # gradients exist from here on; this call learns the tape
-    with remat.policies.tapes(False):
-        recorded = remat.measure_step(step, block).peak_above_params
-    asked[0] = 0
-    followed = remat.measure_step(step, block).peak_above_params
-    assert asked[0] == 0 and followed == recorded
-
-
-def test_an_offloaded_output_changed_in_place_is_recomputed_when_following_the_tape_too(fake):
+def test_an_offloaded_output_changed_in_place_is_recomputed_at_every_step(fake):
     w = torch.randn(8, 8, requires_grad=True)
 
     def changes_its_matmul(t):

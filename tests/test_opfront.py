@@ -36,10 +36,9 @@ def _mlp_block():
 
 
 class _Tiny(nn.Module):
-    """Nine keepable ops (the dropout mask's draw among them) and a residual: small enough to try every subset.
-
-    Three more compute outputs are not keepable: nothing saves them and no module returns them (the product,
-    the square and their sum), so a region following its tape could not capture them."""
+    """Twelve keepable ops (the dropout mask's draw among them) and a residual: small enough to try every
+    subset.  Three of them (the product, the square and their sum) are saved by nothing: kept, they spare
+    their kernels in the replay all the same."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -114,9 +113,7 @@ def test_front_is_monotone_and_ends_at_checkpoint_all_and_keep_all(build):
 def test_front_is_the_optimum_over_every_subset(seed):
     torch.manual_seed(seed)
     graph = _graph(_Tiny(), (4, 8))
-    assert len(graph.keepable) == 9
-    assert [n.op for n in graph.nodes if n.kind == "compute" and not n.reachable] == [
-        "aten.mul.Tensor", "aten.pow.Tensor_Scalar", "aten.add.Tensor"]
+    assert len(graph.keepable) == 12
     rng = random.Random(seed)
     if seed:  # arbitrary op times and machinery costs: the solver must be exact for any of them
         graph.nodes = [dataclasses.replace(n, kernel_time=rng.uniform(0, 1e-3), wall_time=rng.uniform(1e-3, 2e-3))
@@ -475,27 +472,3 @@ def test_an_offloading_point_installs_and_gives_plain_gradients():
 
 def test_the_cpu_has_no_host_link_to_offload_over():
     assert measure_overheads(rounds=1, ops=4, device="cpu").link_bytes_per_s == 0.0
-
-
-class _MaxShift(nn.Module):
-    """max's values only feed a subtraction (nothing saves them), while its backward saves the indices."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(32, 32)
-        self.b = nn.Linear(32, 32)
-
-    def forward(self, x):
-        h = self.a(x)
-        values, _ = h.max(dim=-1, keepdim=True)
-        return self.b((h - values).sin())
-
-
-def test_an_op_is_keepable_only_if_every_output_with_bytes_is_reachable():
-    graph = _graph(_MaxShift(), (8, 32))
-    (top,) = [n for n in graph.nodes if n.op == "aten.max.dim"]
-    assert not top.reachable and top.index not in graph.keepable
-    # the linears' outputs: saved (a's, by max and the subtraction) or returned by a module (b's, which comes
-    # after the last saved tensor: never rerun, so not keepable)
-    first, second = [n for n in graph.nodes if n.op == "aten.addmm.default"]
-    assert first.reachable and second.reachable and first.index in graph.keepable

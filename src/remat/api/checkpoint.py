@@ -13,8 +13,6 @@ from ..engine.checks import metadata_fn_for
 from ..engine.nonreentrant import run_nonreentrant
 from ..engine.reentrant import CheckpointFunction
 from ..policies.compiled import checkpoint_in_graph
-from ..policies.fused import current_backend
-from ..policies.rules import save_nothing
 from ..policies.selective import create_selective_checkpoint_contexts
 
 __all__ = [
@@ -101,9 +99,7 @@ def checkpoint(
     ops) selects what to keep, offload or recompute, op by op; it is sugar for
     ``context_fn=partial(create_selective_checkpoint_contexts, policy)``.
     Under ``torch.compile`` the region and its policy go into the compiled
-    graph (see :mod:`remat.policies.compiled`).  Inside
-    :func:`remat.policies.fused_reruns`, a region without a policy keeps
-    nothing as a policy would, so that its rerun is compiled too.
+    graph (see :mod:`remat.policies.compiled`).
 
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -129,10 +125,6 @@ def checkpoint(
         # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and
         # dispatch modes would be baked into a graph that saves other tensors than the recomputation refills.
         return checkpoint_in_graph(function, args, kwargs, None if context_fn is noop_context_fn else context_fn)
-    if context_fn is noop_context_fn and not use_reentrant and not debug and current_backend() is not None:
-        # A region that keeps nothing, as a policy: it follows its tape, and its rerun is the program's,
-        # compiled into one graph (remat.policies.fused_reruns); the gradients are those of the plain rerun.
-        context_fn = functools.partial(create_selective_checkpoint_contexts, save_nothing)
     if use_reentrant:
         return CheckpointFunction.apply(function, preserve_rng_state, *args)
     return run_nonreentrant(

@@ -4,9 +4,7 @@ How it works, in four steps:
 
 1. Forward runs the region with grad enabled under a *pack* hook that hands
    autograd a tiny :class:`_Placeholder` instead of each tensor it wants to
-   save.  A selective policy's forward context may ask for some saved tensors
-   to be *held* in their placeholder (they are what the policy keeps anyway);
-   only the others are refilled by recomputation.  The region's tensor inputs are saved by a no-op autograd node
+   save.  The region's tensor inputs are saved by a no-op autograd node
    (:class:`_InputSaver`), so they live exactly as long as the graph needs
    them and in-place changes to them trip autograd's version check.
 2. The first *unpack* of an empty placeholder during a backward reruns the region
@@ -53,21 +51,16 @@ class _StopRecompute(BaseException):
 
 
 class _Placeholder:
-    """What autograd stores instead of a saved tensor: its position in the region, and the tensor itself
-    where the forward context asked to hold it (with its version then, to notice later in-place changes)."""
+    """What autograd stores instead of a saved tensor: its position in the region."""
 
-    __slots__ = ("index", "held", "version", "__weakref__")
+    __slots__ = ("index", "__weakref__")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.held: torch.Tensor | None = None
-        self.version = 0
 
 
 class _InputSaver(torch.autograd.Function):
     """A no-op node that keeps the region's tensor inputs as saved tensors."""
-
-    _remat_internal = True  # runs no kernel of its own (what a selective region's program checks for)
 
     @staticmethod
     def forward(ctx, anchor, *tensors):
@@ -105,16 +98,12 @@ def detached(t: torch.Tensor) -> torch.Tensor:
     keeps is not one of the region's ops, and must not cost a trip through Python per saved tensor.
 
     Example:
-        >>> held = detached(saved)   # in a pack hook, under any mode
+        >>> value = detached(saved)   # in a pack hook, under any mode
     """
     if type(t) in _PLAIN and _dispatch_modes():
         with _python_dispatch_off():
             return t.detach()
     return t.detach()  # no mode to hide from, or a subclass, which keeps its own detach
-
-
-def _needs_no_refill(placeholder: _Placeholder | None) -> bool:
-    return placeholder is None or placeholder.held is not None
 
 
 def _is_plain(value: Any) -> bool:
@@ -176,8 +165,7 @@ class _Frame:
 
     __slots__ = (
         "fn", "leaves", "tensor_positions", "spec", "input_node", "state", "recompute_context",
-        "metadata_fn", "early_stop", "traces", "placeholders", "metas", "forward_done", "refills", "holds",
-        "__weakref__",
+        "metadata_fn", "early_stop", "traces", "placeholders", "metas", "forward_done", "refills", "__weakref__",
     )
 
     def __init__(self, fn, recompute_context, metadata_fn, early_stop, traces) -> None:
@@ -190,7 +178,6 @@ class _Frame:
         self.placeholders: list[weakref.ref[_Placeholder]] = []
         self.metas: list[Any] = []
         self.forward_done = False
-        self.holds = False  # whether any placeholder holds its tensor
         # graph task id (or GraphExecGroup) -> recomputed tensors, by placeholder index
         self.refills: dict[Any, list[Any]] = {}
 
@@ -222,14 +209,8 @@ class _Frame:
         return pytree.tree_unflatten(leaves, self.spec)
 
     # ---- forward hook -------------------------------------------------------
-    def make_pack_hook(self, hold: Callable[[int, torch.Tensor], torch.Tensor | None] | None
-                       ) -> Callable[[Any], _Placeholder]:
-        """The forward pack hook, with everything it touches bound as locals (it runs per saved tensor).
-
-        ``hold(index, tensor)`` (from the forward context) says which saved tensors stay in their placeholder:
-        it returns the tensor to keep there, :func:`detached` (the tensor's grad_fn holds the placeholder,
-        which must not hold it back), or None.
-        """
+    def make_pack_hook(self) -> Callable[[Any], _Placeholder]:
+        """The forward pack hook, with everything it touches bound as locals (it runs per saved tensor)."""
         placeholders, new_ref, remember = self.placeholders, weakref.ref, self.placeholders.append
         metadata_fn, keep_metadata = self.metadata_fn, self.metas.append
 
@@ -239,34 +220,11 @@ class _Frame:
             remember(new_ref(placeholder))
             if metadata_fn is not None:
                 keep_metadata(metadata_fn(x))
-            if hold is not None:
-                held = hold(index, x)
-                if held is not None:
-                    placeholder.held = held
-                    placeholder.version = x._version
-                    self.holds = True
             return placeholder
 
         return pack
 
-    def release_changed_holds(self) -> None:
-        """Forward ended: a held tensor the region changed in place after saving it is recomputed instead
-        (plain autograd would refuse it; recomputation gives the value it had when saved)."""
-        for ref in self.placeholders:
-            placeholder = ref()
-            if placeholder is not None and placeholder.held is not None:
-                if placeholder.held._version != placeholder.version:
-                    placeholder.held = None
-
     def unpack(self, placeholder: _Placeholder) -> torch.Tensor:
-        held = placeholder.held
-        if held is not None:
-            if held._version == placeholder.version:
-                return held
-            # Changed in place since forward: only a recomputation has the value it was saved with (and a
-            # policy whose kept output it is decides there whether that change is an error).
-            placeholder.held = None
-            return self._recompute()[placeholder.index]
         key = _get_group()
         if key is None:
             key = _current_graph_task_id()
@@ -308,19 +266,10 @@ class _Frame:
         count = len(self.placeholders)
         stop_at = count
         if self.early_stop:
-            # Placeholders released by an earlier partial backward, or holding their tensor, need no refill.
-            while stop_at and _needs_no_refill(self.placeholders[stop_at - 1]()):
+            # Placeholders released by an earlier partial backward need no refill.
+            while stop_at and self.placeholders[stop_at - 1]() is None:
                 stop_at -= 1
         inputs = self._input_tensors()
-        refill_from = getattr(self.recompute_context, "refill", None)
-        if refill_from is not None and self.forward_done and self.traces is None:
-            # The recompute context may refill the saved tensors without rerunning the region (a selective
-            # policy's program, see remat.policies.program).
-            wanted = [i for i in range(stop_at) if not _needs_no_refill(self.placeholders[i]())]
-            tensors = refill_from(wanted, count, list(inputs), self.state.replay)
-            if tensors is not None:
-                self._check_metadata(tensors, wanted)
-                return tensors
         refill = _Refill(self)
         args, kwargs = self._inputs(inputs)
         trace = self.traces[1] if self.traces else None
@@ -343,14 +292,6 @@ class _Frame:
             _pop_saved_tensors_default_hooks()
         refill.finish()
         return refill.tensors
-
-    def _check_metadata(self, tensors: list[Any], wanted: list[int]) -> None:
-        if self.metadata_fn is None:
-            return
-        for index in wanted:
-            got = self.metadata_fn(tensors[index])
-            if got != self.metas[index]:
-                raise Divergence("metadata", index=index, expected=self.metas[index], got=got).to_error(self.fn, None)
 
 
 class _Refill:
@@ -378,7 +319,7 @@ class _Refill:
             index = self.seen
             self.seen = index + 1
             if index < count:
-                if not _needs_no_refill(placeholders[index]()):
+                if placeholders[index]() is not None:
                     if metadata_fn is not None and metadata_fn(x) != metas[index]:
                         grad_fn = recomputed.grad_fn
                         self._stop(Divergence("metadata", index=index, expected=metas[index], got=metadata_fn(x),
@@ -430,12 +371,9 @@ def run_nonreentrant(
     traces = (OpTrace(), OpTrace()) if debug else None
     frame = _Frame(fn, recompute_context, metadata_fn, early_stop, traces)
     tensors = frame.save_inputs(args, kwargs)
-    frame.state = state = ReplayState.capture(tensors, preserve_rng_state)
-    # A selective policy's forward context may hold the saved tensors it keeps (see remat.policies.tape).
-    holds_for = getattr(forward_context, "holds_for", None)
-    hold = holds_for(fn, frame.leaves, tensors, state) if holds_for is not None else None
+    frame.state = state = ReplayState.capture(tensors, preserve_rng_state, fn)
     result = _NO_RESULT = object()
-    _push_saved_tensors_default_hooks(frame.make_pack_hook(hold), frame.unpack)
+    _push_saved_tensors_default_hooks(frame.make_pack_hook(), frame.unpack)
     try:
         with forward_context:
             if traces is None:
@@ -451,8 +389,7 @@ def run_nonreentrant(
             "checkpointed function; checkpoint has no value to return. Let the exception propagate."
         )
     frame.forward_done = True
-    if frame.holds:
-        frame.release_changed_holds()
+    state.forward_done()
     if preserve_rng_state:
         state.check_device_not_initialized_by("a checkpointed function")
     return result

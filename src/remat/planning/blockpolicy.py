@@ -113,8 +113,7 @@ class BlockPolicy:
             calls = table.get(op)
             return calls.get(index) if calls is not None else None
 
-        # One rules policy for every call: remat counts the calls, and the region's tape (remat.policies.tape)
-        # is learned once and followed from then on.
+        # A rules policy: asked once per op and call index, with no context object built per call.
         self.rules = Policy(call_rule=call_rule, name=f"{mode} block, {len(self.kept)} kept")
 
     @property

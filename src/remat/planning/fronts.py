@@ -14,10 +14,7 @@ Times come from :class:`remat.planning.prices.BlockPrices` (per op device and ho
 device waits for them, and the machinery's measured costs).  The gain of a kept op is the kernel time it
 spares; for a random in-place op (kept by value, see :mod:`remat.policies.selective`) minus its two
 copies, forward's and the recomputation's.  Random ops are keepable like any other: a served one sets its
-generator's state instead of drawing, which costs microseconds and is left out.  A block whose region has a
-program (:mod:`remat.policies.program`: dropout's masks on the CPU are rebuilt there) refills from it only
-while no in-place draw is kept: keeping one keeps the recording mode on every call and reruns the Python
-code (:mod:`remat.policies.tape`), so points keeping one are priced so, and enumerated apart.
+generator's state instead of drawing, which costs microseconds and is left out.
 
 ``stop`` is where remat's early stop ends a recomputation: at the block's
 last saved tensor, whatever is kept.
@@ -53,7 +50,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .blockpolicy import BlockPolicy, OpDecision
 from .opgraph import BlockGraph, OpProfile
@@ -105,11 +102,6 @@ class _CostModel:
         self.graph = graph
         self.keepable = set(graph.keepable)
         self.prices = BlockPrices(graph)
-        # Keeping an in-place draw by value keeps the recording mode on every call, and the region reruns its
-        # Python code rather than its program (remat.policies.tape): points keeping one are priced that way.
-        self.draws = {i for i in self.keepable if graph.nodes[i].kind == "alias"}
-        self.recorded = BlockPrices(replace(graph, no_program="it keeps an in-place draw by value")) \
-            if self.draws and graph.runs_program else self.prices
         self.checkpoint_time = self.prices.checkpoint_time
         self.selective_time = self.prices.selective_time
         self.gain = self.prices.gain
@@ -128,10 +120,6 @@ class _CostModel:
         for n in graph.nodes:
             elapsed += n.kernel_time * scale
             self.made_at.append(elapsed)
-
-    def prices_for(self, kept: Iterable[int]) -> BlockPrices:
-        """The time side of running the block keeping ``kept``."""
-        return self.recorded if self.draws.intersection(kept) else self.prices
 
     def recompute_peak(self, kept: set[int]) -> int:
         """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
@@ -191,7 +179,7 @@ class _CostModel:
         served = tuple(sorted(kept + offloaded))
         moved = sum(nodes[i].out_bytes for i in offloaded)
         copies = self.copy_time(offloaded, served)
-        time = self.prices_for(served).time(mode, served) + copies
+        time = self.prices.time(mode, served) + copies
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
         peak = self.recompute_peak(set(served)) + moved
         return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
@@ -211,7 +199,7 @@ class _CostModel:
         for i in candidates:
             served = tuple(sorted((*kept, *chosen, i)))
             nbytes = moved + nodes[i].out_bytes
-            time = self.prices_for(served).time("selective", served) + self.copy_time(tuple(sorted((*chosen, i))),
+            time = self.prices.time("selective", served) + self.copy_time(tuple(sorted((*chosen, i))),
                                                                                       served)
             if time >= best:
                 break
@@ -264,19 +252,12 @@ def block_front(graph: BlockGraph) -> list[FrontPoint]:
     """
     model = _CostModel(graph)
     candidates = [model.point("keep", ()), model.point("checkpoint", ())]
-    # Kept sets without an in-place draw at the block's prices; where those differ (it has a program), the sets
-    # keeping one at the prices of a region recorded on every call, apart.
-    passes = [(model.prices, graph.keepable)]
-    if model.recorded is not model.prices:
-        passes = [(model.prices, [i for i in graph.keepable if i not in model.draws]),
-                  (model.recorded, graph.keepable)]
-    for prices, keepable in passes:
-        items = [(graph.nodes[i].out_bytes, prices.gain[i], i) for i in keepable]
-        for _, gain, chosen in _knapsack(items):
-            # Only selective states that can beat plain checkpointing on time are worth scoring (and each at the
-            # prices it runs at).
-            if chosen and model.prices_for(chosen) is prices and prices.selective(gain) < model.checkpoint_time:
-                candidates.append(model.point("selective", chosen))
+    prices = model.prices
+    items = [(graph.nodes[i].out_bytes, prices.gain[i], i) for i in graph.keepable]
+    for _, gain, chosen in _knapsack(items):
+        # Only selective states that can beat plain checkpointing on time are worth scoring.
+        if chosen and prices.selective(gain) < model.checkpoint_time:
+            candidates.append(model.point("selective", chosen))
     candidates.sort(key=lambda p: (p.kept_bytes, p.extra_time))
     front: list[FrontPoint] = []
     for point in candidates:

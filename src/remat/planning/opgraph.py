@@ -53,20 +53,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api.modules import ActivationWrapper
 from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
-from ..policies.fused import current_backend, fused_reruns
-from ..policies.program import _Program, _ProgramWriter, _Schedule, watching_reads
 from ..policies.selective import create_selective_checkpoint_contexts
-from ..policies.tape import tapeable_argument
 from .blockpolicy import BlockPolicy
 from .discovery import resolve_blocks
-from .fusedtime import FusedRefill, time_fused_refill
 from .overheads import Overheads, measure_overheads
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
@@ -93,10 +88,6 @@ class OpNode:
     kernel_time: float = 0.0
     wall_time: float = 0.0
     host_time: float = 0.0
-    # Autograd saves each of its outputs' storages, or a module returns them (empty ones aside): a region
-    # following its tape (without a dispatch mode, see remat.policies.tape) can capture them there, so keeping
-    # the op needs no recording mode.
-    reachable: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,12 +121,6 @@ class BlockGraph:
     estimated: bool
     overheads: Overheads
     asynchronous: bool = False
-    # Why a region of this block following its tape would rerun its Python code rather than its program
-    # (remat.policies.program; None: it has one), and the ops that program runs when nothing is kept.
-    no_program: str | None = "not recorded"
-    program_steps: tuple[int, ...] = ()
-    fused: FusedRefill | None = None  # that rerun compiled and timed, for a profile inside fused_reruns
-    watched_calls: int = 0  # module calls a region following its tape watches: all, where its program reads state
 
     @property
     def keep_all_bytes(self) -> int:
@@ -146,23 +131,11 @@ class BlockGraph:
     def keepable(self) -> list[int]:
         """Nodes a policy can usefully keep: ops that rerun in recomputation and own (or copy) memory.
 
-        Compute ops whose output no later op overwrites, and random in-place ops (kept by value), whose output
-        a saved tensor or a module's output reaches (others a region following its tape recomputes).
+        Compute ops whose output no later op overwrites, and random in-place ops (kept by value).
         """
         return [n.index for n in self.nodes
                 if (n.kind == "compute" or n.kind == "alias" and n.random) and not n.mutated
-                and n.index < self.stop and n.out_bytes > 0 and n.reachable]
-
-    @property
-    def runs_program(self) -> bool:
-        """Whether a region of this block following its tape refills from its program
-        (:mod:`remat.policies.program`), as the program written while profiling says."""
-        return self.no_program is None
-
-    def program_rerun(self) -> list[int]:
-        """The ops the block's program reruns when nothing is kept (the random ops a needed draw follows
-        included), by node index."""
-        return list(self.program_steps)
+                and n.index < self.stop and n.out_bytes > 0]
 
     def copied_bytes(self, index: int) -> int:
         """Bytes keeping node ``index`` copies (forward, and back in recomputation): a random in-place op's value."""
@@ -173,10 +146,7 @@ class BlockGraph:
         kind = "estimated" if self.estimated else "measured"
         lines = [f"{self.cls}: {len(self.nodes)} ops, recomputation runs {self.stop}; inputs "
                  f"{format_bytes(self.input_bytes)}, autograd keeps {format_bytes(self.keep_all_bytes)}; "
-                 f"forward {self.forward_time * 1e3:.2f} ms ({kind}); "
-                 + (f"its program reruns {len(self.program_steps)} ops" if self.runs_program
-                    else f"no program: {self.no_program}")
-                 + (f", fused by {self.fused.backend} in {self.fused.device_time * 1e3:.3f} ms" if self.fused else ""),
+                 f"forward {self.forward_time * 1e3:.2f} ms ({kind})",
                  f"{'#':>4} {'op':<36} {'kind':<8} {'bytes':>10} {'saved':>10} {'kernel ms':>10}  needs"]
         for n in self.nodes:
             if n.kind == "ignored":
@@ -222,11 +192,10 @@ def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...], bool]:
 
 
 class _Life:
-    __slots__ = ("producer", "nbytes", "saved", "dies", "returned")
+    __slots__ = ("producer", "nbytes", "saved", "dies")
 
     def __init__(self, producer: int, nbytes: int) -> None:
         self.producer, self.nbytes, self.saved, self.dies = producer, nbytes, False, None
-        self.returned = False  # a module's output (within the block) shares the storage
 
 
 class _BlockRecord:
@@ -248,14 +217,6 @@ class _BlockRecord:
         self.input_saved: set[int] = set()
         self.input_sizes: dict[int, int] = {}
         self.done = False
-        # The program a selective region of this block would get, written alongside (and the modules it calls).
-        self.program = _ProgramWriter(_tensors((args, kwargs)))
-        if not all(isinstance(leaf, torch.Tensor) or tapeable_argument(leaf) for leaf in tree_flatten((args,
-                                                                                                     kwargs))[0]):
-            self.program._refuse("the block takes a Python object: a region of it gets no tape")
-        self.modules: list[nn.Module] = []
-        self.refill: tuple[_Program, _Schedule] | None = None  # its program's keep-nothing refill (_graph sets it)
-        self.pack_made: list[bool] = []  # per saved tensor: whether its storage is one the block made
         for t in _tensors((args, kwargs)):
             storage = t.untyped_storage()
             if storage not in self.owner:
@@ -317,25 +278,14 @@ class _Recorder(TorchDispatchMode):
         record = self.current
         if record is not None:
             record.packs += 1
-            record.program.pack(t)
             record.packs_needing_grad += t.requires_grad
             record.last_pack = record.ops
             where = record.owner.get(t.untyped_storage())
-            record.pack_made.append(where is not None and where >= 0)
             if where is not None and where >= 0:
                 record.lives[where].saved = True
             elif where is not None:
                 record.input_saved.add(where)
         return self.held.pack(t)
-
-    def module_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        record = self.current
-        if record is not None:
-            record.modules.append(module)
-            for t in _tensors(output):
-                where = record.owner.get(t.untyped_storage())
-                if where is not None and where >= 0:
-                    record.lives[where].returned = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -343,14 +293,11 @@ class _Recorder(TorchDispatchMode):
         if record is None:
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
-        if random:
-            record.program.before_draw(func, args, kwargs)
         out = func(*args, **kwargs)
         index = record.ops
         record.ops += 1
         call = record.calls.get(func, 0)
         record.calls[func] = call + 1
-        record.program.step(func, args, kwargs, out, call)
         needs, reads_input = set(), False
         for t in _tensors((args, kwargs)):
             where = record.owner.get(t.untyped_storage())
@@ -441,33 +388,24 @@ def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict
 
 def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> BlockGraph:
     saved_by_node: dict[int, int] = {}
-    unreached: set[int] = set()  # ops with an output (of any bytes) nothing saves and no module returns
     for life in record.lives:
         if life.saved:
             saved_by_node[life.producer] = saved_by_node.get(life.producer, 0) + life.nbytes
-        elif life.nbytes and not life.returned:
-            unreached.add(life.producer)
-    nodes = [OpNode(saved_bytes=saved_by_node.get(n["index"], 0), wall_time=n["kernel_time"],
-                    reachable=n["index"] not in unreached or n["kind"] != "compute", **n)
+    nodes = [OpNode(saved_bytes=saved_by_node.get(n["index"], 0), wall_time=n["kernel_time"], **n)
              for n in record.nodes]
     storages = [StorageLife(life.producer, life.nbytes, life.saved, life.dies) for life in record.lives]
     inputs = [(tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad)
               for t in _tensors((record.args, record.kwargs))]
     structure = repr((type(record.module).__qualname__, inputs, record.input_saved,
-                      [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated,
-                        n.reachable) for n in nodes],
+                      [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated)
+                       for n in nodes],
                       storages, record.packs, record.packs_needing_grad, record.last_pack))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
-    record.refill = record.program.keeping_nothing(record.modules, record.pack_made)
-    watched = len(record.modules) if record.refill is not None and record.refill[0].checks else 0
-    record.modules = []
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
         input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
         saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
         forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
-        no_program=record.program.refused, program_steps=record.refill[1].order if record.refill else (),
-        watched_calls=watched,
     )
 
 
@@ -492,10 +430,8 @@ def profile_ops(
     checkpoint machinery's costs; by default the per-region and per-saved-tensor
     costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
-    times are estimated, and copies at ``bandwidth``, read plus write).  Inside
-    :func:`remat.policies.fused_reruns`, each timed block's keep-nothing refill is
-    also compiled and timed (:mod:`remat.planning.fusedtime`).  The RNG state is
-    left as it was.
+    times are estimated, and copies at ``bandwidth``, read plus write).  The RNG
+    state is left as it was.
 
     Example:
         >>> model = remat.models.GPT()
@@ -530,21 +466,13 @@ def profile_ops(
             record.done = True
             recorder.current = None
 
-    def refuse(why: str) -> None:
-        if recorder.current is not None:
-            recorder.current.program._refuse(why)
-
     handles = []
     try:
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
-        handles.append(register_module_forward_hook(recorder.module_output))
-        # Fused reruns are priced from the backend in effect now, and every measurement runs op by op.
-        backend = current_backend()
-        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad(), fused_reruns(None):
-            with (torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder,
-                  watching_reads(refuse)):
+        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
                 model(*example_inputs, **example_kwargs)
             recorder.held.clear()
             for handle in handles:
@@ -557,7 +485,7 @@ def profile_ops(
                 overheads = measure_overheads(device=str(device_of(tensors)))
                 if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                     overheads = replace(overheads, copy_per_byte=2 / bandwidth)
-            graphs = _graphs(records, estimated, overheads, repeats, measure_policy, backend)
+            graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
     finally:
         for handle in handles:
             handle.remove()
@@ -568,7 +496,7 @@ def profile_ops(
 
 
 def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
-            measure_policy: bool, backend: str | None) -> dict[str, BlockGraph]:
+            measure_policy: bool) -> dict[str, BlockGraph]:
     by_signature: dict[str, BlockGraph] = {}
     graphs = {}
     for name, record in records.items():
@@ -584,9 +512,6 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
                 if measure_policy:
                     graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
                                               policy_replay=timing.policy_replay)
-                if backend is not None and record.refill is not None:
-                    graph.fused = time_fused_refill(*record.refill, _tensors((record.args, record.kwargs)), backend,
-                                                    repeats)
             shared = by_signature[graph.signature] = graph
         graphs[name] = shared
     return graphs

@@ -11,7 +11,6 @@ anything, and warns about blocks like the planned ones that the plan leaves out.
 
 from __future__ import annotations
 
-import copy
 import json
 import warnings
 from collections.abc import Callable, Sequence
@@ -55,17 +54,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
-        # One policy object per block for the plan's life: a region's tape is filed under its policy, so applying
-        # the plan again (after remove) follows the tapes already learned instead of recording afresh.
-        self._block_policies: dict[str, tuple[dict[str, Any], BlockPolicy]] = {}  # with the data each was made from
 
     def _installer(self, name: str, decision: str) -> tuple[Callable[[nn.Module], nn.Module], Any]:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
         if name in self.policies:
-            source, policy = self._block_policies.get(name, (None, None))
-            if policy is None or source != self.policies[name]:
-                policy = BlockPolicy.from_dict(self.policies[name])
-                self._block_policies[name] = (copy.deepcopy(self.policies[name]), policy)
+            policy = BlockPolicy.from_dict(self.policies[name])
             return policy.wrap, (decision, policy.to_dict())
         wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
         if wrap is None:
@@ -180,9 +173,6 @@ class Plan:
             f"predicted extra time {self.predicted_extra_time * 1e3:.1f} ms per step"
             + (f" (+{self.predicted_extra_time / self.step_time:.0%})" if self.step_time else "")
         )
-        if self.meta.get("fused_reruns"):
-            lines.append(f"Priced with reruns fused by {self.meta['fused_reruns']}: run the forward inside "
-                         "remat.policies.fused_reruns() to get these times.")
         return "\n".join(lines)
 
 

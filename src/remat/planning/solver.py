@@ -375,9 +375,6 @@ def plan_from_profile(
         policies={row.name: o.policy.to_dict() for row, o in zip(prof.rows, chosen) if o.policy is not None},
         blocks={row.name: _summary(row.own_bytes, o) for row, o in zip(prof.rows, chosen)},
     )
-    fused = {graph.fused.backend for graph in (prof.ops.distinct if prof.ops else ()) if graph.fused}
-    if fused:  # priced as fused reruns run: the plan's forward must run inside fused_reruns to cost that
-        result.meta["fused_reruns"] = ", ".join(sorted(fused))
     result._wrappers = {row.name: o.wrap for row, o in zip(prof.rows, chosen) if o.wrap is not None}
     return result
 

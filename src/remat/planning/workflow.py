@@ -86,8 +86,7 @@ def profile(
     :class:`SummedLossWarning`).  Gradients are left as they were before the call.  Times are on the device's
     clock, medians over ``repeats`` rounds, and every option is priced from each block's op graph
     (:func:`remat.profile_ops`); ``ops=True`` keeps the graphs in ``.ops``, from which plans draw their op-level
-    ``selective`` options; inside :func:`remat.policies.fused_reruns` they are priced as fused reruns run
-    (each distinct block's refill compiled and timed).  A Hugging Face model with ``use_cache=True`` is
+    ``selective`` options.  A Hugging Face model with ``use_cache=True`` is
     profiled with the cache off, as transformers trains with gradient checkpointing (one warning; its config
     is left as it was).
 

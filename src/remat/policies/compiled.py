@@ -45,7 +45,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .decisions import CheckpointPolicy, SelectiveCheckpointContext, _is_view_or_inplace
-from .selective import _Forward
+from .selective import _Recorder
 
 __all__ = ["checkpoint_in_graph", "tag_in_graph"]
 
@@ -80,7 +80,7 @@ def checkpoint_in_graph(function: Callable[..., Any], args: tuple, kwargs: dict,
 def _compiler_contexts(context_fn: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
     """torch's selective-checkpoint contexts standing for what ``context_fn`` asks (runs at compile time)."""
     forward, recompute = context_fn()
-    if isinstance(forward, _Forward):
+    if isinstance(forward, _Recorder):
         store = forward.store
         policy = store.policy
         if getattr(policy, "by_call", False):

@@ -8,9 +8,15 @@ recomputation needs it) or *recomputed*.  Two dispatch modes implement it:
 :class:`_Replayer` runs in recomputation and serves those outputs to the
 same calls, matched by operator and call index.
 ``create_selective_checkpoint_contexts`` returns the pair for
-``checkpoint(..., context_fn=...)``; the forward one (:class:`_Forward`) runs the
-recording mode the first time a region runs with given inputs, and after that
-follows the region's *tape* with no dispatch mode at all (:mod:`.tape`).
+``checkpoint(..., context_fn=...)``.
+
+Every call decides for itself.  Each forward runs under the recording mode and
+asks the policy about each of its own ops; its recomputation is served what
+that forward kept, matched by the op and call index that forward saw, and
+nothing else.  No record outlives the call that made it, so a region whose
+Python code, hooks, submodules or numbers change between calls is recorded
+afresh each time (torch.compile is the route that reuses a trace, behind its
+guards; see :mod:`.compiled`).
 
 Lifetime of a kept output: it is released as soon as a recomputation has
 served it, unless the backward keeps its graph (``retain_graph=True``), in
@@ -59,7 +65,6 @@ still reruns for its draw).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -83,11 +88,8 @@ from .decisions import (
     _action,
     _traits,
 )
-from .fused import current_backend, run_fused
 from .kept import _Draw, _keep, _keep_draw, _Kept, _KeptOutputs, _prefetch, _settle, _unprefetch
 from .offload import OffloadStats
-from .program import _Program, _Step, run, schedule
-from .tape import _book_for, _Follower, _Learner, _region_key
 
 __all__ = ["create_selective_checkpoint_contexts"]
 
@@ -127,38 +129,6 @@ class _Store:
         self.recent: dict[int, tuple[weakref.ref, Any, int, Any]] | None = (
             {} if getattr(policy, "has_names", False) else None
         )
-        self.follower: _Follower | None = None  # set when the forward followed a tape
-        # A forward that parted from its tape: its ops are unknown, so its recomputation runs them all, serving
-        # nothing (the follower held nothing from where it parted on).
-        self.unrecorded = False
-        self.program: _Program | None = None  # the followed tape's program, if its state checked out
-        self.fuse = current_backend()  # the compiler its refills fuse with (None: op by op; see .fused)
-
-    def follow(self, follower: _Follower) -> None:
-        """The forward followed a tape: the replay is served what it captured (built when first needed)."""
-        self.follower = follower
-        self.offloads |= follower.offloads
-        if self.stats is not None:
-            for _, _, kept in follower.kept():
-                for tensor in kept.tensors():
-                    self.stats.add(tensor.nbytes, offloaded=tensor.offloaded)
-
-    def materialize(self) -> None:
-        """The slots and kept outputs of a forward that followed a tape, as the recording mode leaves them."""
-        follower, self.follower = self.follower, None
-        if follower.diverged:
-            self.unrecorded = True
-            follower.release()  # nothing of it is served: let go of what it captured now
-            return
-        for op, action, calls in follower.tape.slots:
-            slot = self.slots[id(op)] = _OpSlot(op, action)
-            slot.calls = calls
-        for op, call, kept in follower.kept():
-            self.slots[id(op)].kept[call] = kept
-        self.program = follower.tape.program if follower.program_ok else None
-        # Autograd keeps the forward's pack hook, and with it the follower, as long as the graph lives:
-        # the kept outputs belong to the slots now, which let each go once it is served.
-        follower.release()
 
     def first_sight(self, op: Any) -> _OpSlot:
         """The slot of an operator this region has not run yet, with what is known of it without asking."""
@@ -227,59 +197,15 @@ def _active_store() -> _Store | None:
     return stack[-1] if stack else None
 
 
-class _Forward:
-    """The forward context of one selective region: the recording mode, or the follower of a tape."""
-
-    def __init__(self, store: _Store) -> None:
-        self.store = store
-        self.recorder = _Recorder(store)
-        self.follower: _Follower | None = None
-
-    def holds_for(self, fn: Callable, leaves: list, tensors: list[torch.Tensor], state: Any) -> Callable | None:
-        """Called by the engine before forward: which saved tensors to hold, ``(index, tensor) -> tensor | None``."""
-        store = self.store
-        if not store.by_rules or store.recent is not None:
-            return None  # a policy function may decide on anything; names are decided in forward
-        book = _book_for(store.policy)
-        key, anchor = _region_key(fn, leaves, tensors, state) if book is not None else (None, None)
-        if key is None:
-            return None
-        tape = book.lookup(key, anchor)
-        if tape is None:
-            return None  # a region that cannot have a tape is recorded on every call, as without tapes
-        if tape is _Learner:  # recorded once more, to learn the tape
-            self.recorder.learner = _Learner(store, book, key, anchor, tensors)
-            return self.recorder.learner.hold
-        self.follower = _Follower(tape)
-        return self.follower.hold
-
-    def __enter__(self) -> _Forward:
-        if self.follower is not None:
-            self.follower.enter()
-        else:
-            self.recorder.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.follower is not None:
-            self.follower.exit()
-            self.store.follow(self.follower)
-        else:
-            self.recorder.__exit__(*exc)
-
-
 class _Recorder(TorchDispatchMode):
     """Forward: run each op, ask the policy, keep its output when told to."""
 
     def __init__(self, store: _Store) -> None:
         super().__init__()
         self.store = store
-        self.learner: _Learner | None = None  # writes the region's tape, the first time it runs
 
     def __enter__(self) -> _Recorder:
         _recording.__dict__.setdefault("stack", []).append(self.store)
-        if self.learner is not None:
-            self.learner.enter()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -290,13 +216,9 @@ class _Recorder(TorchDispatchMode):
         try:
             store.forward_done()
         finally:
-            if self.learner is not None:
-                self.learner.exit(failed=exc[0] is not None)
-        return super().__exit__(*exc)
+            super().__exit__(*exc)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        if self.learner is not None and _traits(op) & _RANDOM:
-            self.learner.before_draw(op, args, kwargs or {})
         out = op(*args, **kwargs) if kwargs else op(*args)
         store = self.store
         slot = store.slots.get(id(op))
@@ -304,8 +226,6 @@ class _Recorder(TorchDispatchMode):
             slot = store.first_sight(op)
         action = slot.action
         if action == _IGNORE:
-            if self.learner is not None:
-                self.learner.ignored(op, args, kwargs or {}, out)
             return out
         index = slot.calls
         slot.calls = index + 1
@@ -313,8 +233,6 @@ class _Recorder(TorchDispatchMode):
             action = store.ask(slot, index, args, kwargs or {}, out)
         if action != _RECOMPUTE:
             store.keep(slot, index, args, kwargs or {}, out, action == _OFFLOAD)
-        if self.learner is not None:
-            self.learner.output(out, slot, index, args, kwargs or {})
         if store.recent is not None:
             _remember(store.recent, out, op, index)
         return out
@@ -350,8 +268,6 @@ class _Replayer(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def _begin(self) -> None:
-        if self.store.follower is not None:
-            self.store.materialize()
         for slot in self.store.slots.values():
             slot.replayed = 0  # each recomputation replays from the start
         # A backward that frees its graph can run this region's recomputation only once
@@ -373,43 +289,6 @@ class _Replayer(TorchDispatchMode):
             # recomputation stops at the same place or sooner.
             self.store.release_all()
 
-    def refill(self, wanted: list[int], count: int, inputs: list[torch.Tensor],
-               rng: Callable[[], contextlib.AbstractContextManager]) -> list[Any] | None:
-        """Called by the engine before it reruns the region: the saved tensors ``wanted`` (by pack index, of
-        ``count``), run from the followed tape's program (:mod:`.program`), random ops under ``rng()`` (the
-        RNG as the region started); None to rerun the region."""
-        store = self.store
-        if store.follower is not None:
-            store.materialize()
-        program = store.program
-        if program is None or any(ref() is None for ref in program.state):
-            return None
-        kept = [self._kept(program.steps[number]) for number in program.kept_steps]
-        changed = [k is not None and k.modified() for k in kept]
-        plan = schedule(program, wanted, [k is not None and not c for k, c in zip(kept, changed)])
-        if plan is None:
-            return None
-        if not store.allow_mutation:  # changed since forward, and needed: the error the Python rerun raises
-            for number, c in zip(program.kept_steps, changed):
-                if c and number in plan.order:
-                    raise self._modified(program.steps[number].op)
-        self._begin()
-        try:
-            with rng() if plan.draws else contextlib.nullcontext():
-                if store.fuse is not None:  # compiled into one graph where it can be (see .fused)
-                    return run_fused(program, plan, count, inputs, self._serve_step, store.fuse)
-                return run(program, plan, count, inputs, self._serve_step)
-        finally:
-            self._end()
-
-    def _kept(self, step: _Step) -> _Kept | _KeptOutputs | _Draw | None:
-        slot = self.store.slots.get(id(step.op))
-        return slot.kept.get(step.call) if slot is not None and slot.kept else None
-
-    def _serve_step(self, step: _Step) -> Any:
-        # Kept draws are served only when forward followed a tape, which keeps them as plain outputs.
-        return self._take(self.store.slots[id(step.op)], step.call).serve(take=self.release)
-
     def _take(self, slot: _OpSlot, index: int) -> _Kept | _KeptOutputs | _Draw | None:
         """The kept output of call ``index`` to serve, or None to run the call (nothing kept, or it changed in
         place since forward and the policy allows recomputing it)."""
@@ -428,8 +307,6 @@ class _Replayer(TorchDispatchMode):
         return kept
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        if self.store.unrecorded:
-            return op(*args, **kwargs) if kwargs else op(*args)
         slot = self.store.slots.get(id(op))
         if slot is None:
             slot = self._unseen(op)
@@ -476,7 +353,7 @@ def create_selective_checkpoint_contexts(
     allow_cache_entry_mutation: bool = False,
     *,
     stats: OffloadStats | None = None,
-) -> tuple[_Forward, TorchDispatchMode]:
+) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """The ``(forward, recompute)`` context pair for ``checkpoint(context_fn=...)``.
 
     ``policy_fn_or_list`` is a function ``(ctx, op, *args, **kwargs) ->
@@ -509,4 +386,4 @@ def create_selective_checkpoint_contexts(
     else:
         raise TypeError("remat: policy_fn_or_list must be a policy function or a list of ops.")
     store = _Store(policy, allow_cache_entry_mutation, stats)
-    return _Forward(store), _Replayer(store)
+    return _Recorder(store), _Replayer(store)
