@@ -1,4 +1,4 @@
-"""The ``remat`` command: demo, profile, plan, bench.
+"""The ``remat`` command: demo, profile, plan, check, bench.
 
 It starts without torch: ``remat --help`` and mistakes in the arguments answer at once, and each command
 imports what it needs (torch, the planner, rich) when it runs.
@@ -7,11 +7,12 @@ imports what it needs (torch, the planner, rich) when it runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..planning.units import Budget, parse_budget
@@ -179,11 +180,19 @@ def _profile_of(args: argparse.Namespace):
     from ..planning.workflow import profile
 
     model, inputs, kwargs = _model_and_inputs(args)
+    with _running_the_model(args.command):
+        return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
+                       ops="selective" in getattr(args, "allow", ()), **kwargs)
+
+
+@contextlib.contextmanager
+def _running_the_model(command: str) -> Iterator[None]:
+    """Where the library runs the user's model: its refusals and the model's failures become one line, and its
+    warnings are printed once each in the command's terms."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
-                           ops="selective" in getattr(args, "allow", ()), **kwargs)
+            yield
         except ValueError as error:
             raise UserError(_unprefixed(str(error))) from error
         except RuntimeError as error:
@@ -191,7 +200,7 @@ def _profile_of(args: argparse.Namespace):
             raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
                             "check --input-shape / --inputs against the model's forward") from error
         finally:
-            _print_warnings(args.command, caught)
+            _print_warnings(command, caught)
 
 
 def _print_warnings(command: str, caught: list[warnings.WarningMessage]) -> None:
@@ -258,6 +267,71 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_plan(path: str) -> dict[str, Any]:
+    """The plan file's data, read without torch: a wrong path or a file that is not a plan answers at once."""
+    fix = f"write one with remat plan MODULE:FACTORY --budget 50% -o {path}"
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as error:
+        raise UserError(f"cannot read the plan {path!r} ({error.strerror or error}); {fix}") from error
+    except ValueError as error:
+        raise UserError(f"the plan {path!r} is not JSON ({error}); {fix}") from error
+    if not isinstance(data, dict) or "decisions" not in data:
+        raise UserError(f"{path!r} is not a plan (no decisions in it); {fix}")
+    return data
+
+
+def _check_cmd(args: argparse.Namespace) -> int:
+    data = _read_plan(args.plan)
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from ..planning.check import check_plan, grads_cell
+    from ..planning.plan import Plan
+    from ..planning.units import format_bytes
+
+    try:
+        plan = Plan(**data)
+    except TypeError as error:
+        raise UserError(f"{args.plan!r} is not a plan written by remat plan -o ({error})") from error
+    model, inputs, kwargs = _model_and_inputs(args)
+    console = _console()
+    with _running_the_model(args.command), Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"{args.steps} steps with and without the plan", total=args.steps)
+        result = check_plan(model, plan, *inputs, steps=args.steps, optimizer=args.optimizer,
+                            on_step=lambda row: progress.advance(task), **kwargs)
+    table = Table(title=f"{args.steps} {args.optimizer} steps of {args.model} with and without {args.plan} "
+                        "(peaks above parameters and buffers; forward + backward times)")
+    for column in ("step", "peak predicted", "peak measured", "peak unplanned", "time predicted", "time measured",
+                   "time unplanned", "grads equal"):
+        table.add_column(column, justify="right")
+    for row in result.rows:
+        error = result.peak_error(row)
+        style = "" if abs(error) <= result.peak_tolerance else "[red]"
+        table.add_row(
+            str(row.step), format_bytes(result.predicted_peak), f"{style}{format_bytes(row.peak)} ({error:+.1%})",
+            format_bytes(row.unplanned_peak), f"{result.predicted_time(row) * 1e3:,.1f} ms",
+            f"{row.time * 1e3:,.1f} ms", f"{row.unplanned_time * 1e3:,.1f} ms",
+            "yes" if row.grads_equal else f"[red]no: {grads_cell(row)}",
+        )
+    console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    console.print(result.verdict(), markup=False, highlight=False, soft_wrap=True)
+    return 0 if result.holds else 1
+
+
+def _steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"the number of steps is a positive integer like 4; got {text!r}")
+    return steps
+
+
 def _bench_cmd(args: argparse.Namespace) -> int:
     from .bench import run
 
@@ -283,6 +357,11 @@ _EXAMPLES = {
   remat plan mypkg.models:build_model --inputs mypkg.data:example_batch --budget 30% 50% 70%   # one profile
   (--inputs may return a tuple of positional inputs or a dict of keyword inputs, e.g. input_ids and labels)
 """,
+    "check": """examples:
+  remat check mypkg.models:build_model --plan plan.json --input-shape 8,128
+  remat check mypkg.models:build_model --plan plan.json --inputs mypkg.data:example_batch --steps 8 --optimizer sgd
+  (exit status: 0 when the plan holds, 1 when it does not, 2 for a mistake in the command line)
+""",
     "bench": """examples:
   remat bench                              # every case: tiny, gpt, conv, wide
   remat bench --cases tiny --repeats 21
@@ -291,11 +370,17 @@ _EXAMPLES = {
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and its inputs, read by :func:`_model_and_inputs` (every command that runs a user's model)."""
     parser.add_argument("model", metavar="MODULE:FACTORY", help="a function (or class) that returns the model")
     parser.add_argument("--input-shape", type=_shape, action="append", metavar="SHAPE",
                         help="one random float input of this shape (repeat for several inputs)")
     parser.add_argument("--inputs", metavar="MODULE:FN",
                         help="a function returning the input, a tuple of inputs, or a dict of keyword inputs")
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its inputs, and what to profile (``profile`` and ``plan``)."""
+    _add_model_arguments(parser)
     parser.add_argument("--modules", nargs="+", metavar="NAME",
                         help="candidate modules by qualified name (default: the repeated blocks)")
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
@@ -342,7 +427,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                    "Run one training step of MODULE:FACTORY's model (no checkpointing) and print, per candidate "
                    "block, the activations it keeps for backward, its input/output bytes and forward time. "
                    f"{_LOSS}")
-    _add_model_arguments(prof)
+    _add_profile_arguments(prof)
     prof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     prof.set_defaults(run=_profile_cmd)
 
@@ -350,7 +435,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                    "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / selective "
                    "(chosen op outputs kept) / offload per block) with the least recomputation whose predicted peak "
                    f"fits --budget. {_LOSS}")
-    _add_model_arguments(plan)
+    _add_profile_arguments(plan)
     plan.add_argument("--budget", type=_budget, required=True, nargs="+",
                       help="a fraction of the unplanned peak above parameters (0.5 or 50%%) or the whole-step peak "
                            "as a size (8GiB, 512MB); a bare number below 1 MiB is refused (did you mean 50%%?); "
@@ -361,6 +446,20 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                            "outputs, to host memory; default: all but offload)")
     plan.add_argument("-o", "--output", help="write the plan as JSON")
     plan.set_defaults(run=_plan_cmd)
+
+    check = command("check", "check a plan on its model: measured vs predicted peak, time and gradients",
+                    "Train MODULE:FACTORY's model for a few steps (the same inputs each step, an optimizer stepping "
+                    "between them) with the plan applied and without it, from identical weights and seeds, and "
+                    "print per step the peak memory and time predicted, measured and without the plan, and whether "
+                    "the gradients are bitwise equal. The plan holds when every step peaks within 3% of the "
+                    "predicted peak with equal gradients (exit 0; else 1); extra time off its prediction by more "
+                    f"than 20% is a warning, not a failure. {_LOSS}")
+    _add_model_arguments(check)
+    check.add_argument("--plan", required=True, metavar="PLAN.JSON", help="a plan written by remat plan -o")
+    check.add_argument("--steps", type=_steps, default=4, help="training steps (default 4)")
+    check.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                       help="the optimizer stepping between steps (default adamw, lr 1e-3; sgd: lr 1e-2, momentum 0.9)")
+    check.set_defaults(run=_check_cmd)
 
     bench = command("bench", "benchmark remat against torch.utils.checkpoint and no checkpointing",
                     "Time a training step of each case under no checkpointing, torch.utils.checkpoint and remat "

@@ -1,0 +1,190 @@
+"""remat.check_plan and `remat check`: a plan's predictions against a real training loop (memory, never time)."""
+
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import remat
+from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.planning.check import PlanCheck, StepCheck
+from remat.planning.overheads import Overheads
+from remat.tools.cli import main
+
+CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dropout=0.1)
+
+
+@pytest.fixture(scope="module")
+def case():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    tokens, targets = synthetic_batch(CFG, 4)
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=1, ops=False)
+    # Op times from a roofline and no machinery cost: the plans below depend on bytes and FLOPs only.
+    prof.ops = remat.profile_ops(model, tokens, timing="estimate", overheads=Overheads(0.0, 0.0, 0.0, 0.0, 0.0))
+    return model, tokens, loss_fn, prof
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_plan_that_checkpoints_some_blocks_holds_at_every_step(case, optimizer):
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.6, allow=("checkpoint",))
+    assert set(plan.decisions.values()) == {"checkpoint", "keep"}
+    before = _weights(model)
+    result = remat.check_plan(model, plan, tokens, loss_fn=loss_fn, steps=2, optimizer=optimizer)
+    assert result.holds, str(result)
+    assert [row.step for row in result.rows] == [1, 2]
+    for row in result.rows:
+        assert row.grads_equal and row.max_grad_diff == 0.0
+        assert abs(row.peak - result.predicted_peak) <= 0.03 * result.predicted_peak
+        assert row.unplanned_peak == prof.peak_above_params  # the step the plan was made from
+        assert row.peak < row.unplanned_peak
+    assert result.predicted_peak == plan.predicted_peak - plan.param_bytes and not result.notes
+    assert result.verdict().startswith(f"the plan holds: 2 {optimizer} steps peaked within 3% of the predicted")
+    # The check trains copies: the model given is left as it was, unwrapped.
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not any(isinstance(m, remat.ActivationWrapper) for m in model.modules())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_selective_plan_holds_after_optimizer_steps(case, optimizer):
+    """Op-level plans keep what they were priced to keep at every step, not only at the first."""
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.6, allow=("selective",))
+    assert "selective" in plan.decisions.values()
+    result = remat.check_plan(model, plan, tokens, loss_fn=loss_fn, steps=2, optimizer=optimizer)
+    assert all(row.grads_equal for row in result.rows)
+    assert result.holds, str(result)
+
+
+def test_a_plan_predicting_too_little_memory_does_not_hold(case, tmp_path):
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.6, allow=("checkpoint",))
+    above = plan.predicted_peak - plan.param_bytes
+    wrong = dataclasses.replace(plan, predicted_peak=plan.param_bytes + int(0.7 * above))
+    path = tmp_path / "wrong.json"
+    wrong.save(str(path))
+    # a factory and a saved plan's path
+    result = remat.check_plan(lambda: copy.deepcopy(model), str(path), tokens, loss_fn=loss_fn, steps=2)
+    assert not result.holds and result.grads_equal and not result.peaks_hold
+    for row in result.rows:
+        assert result.peak_error(row) == pytest.approx(1 / 0.7 - 1, abs=0.01)
+    verdict = result.verdict()
+    assert verdict.startswith("the plan does not hold: steps 1, 2 peaked off the predicted")
+    assert "(step 1: 605.8 KiB, +42.8%)" in verdict
+
+
+def test_inputs_unlike_the_profiled_ones_are_named_in_a_note(case):
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.6, allow=("checkpoint",))
+    half = tokens[:2]
+    result = remat.check_plan(model, plan, half, loss_fn=lambda logits: logits.float().pow(2).mean(), steps=1)
+    assert not result.holds
+    assert len(result.notes) == 1 and "the profile the plan was made from saw" in result.notes[0]
+
+
+def test_a_plan_for_another_model_is_refused_before_training(case):
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.6, allow=("checkpoint",))
+    other = GPT(dataclasses.replace(CFG, n_layers=2))
+    with pytest.raises(ValueError, match=r"^remat.Plan.apply: the plan's Block block blocks.2 is not in this GPT"):
+        remat.check_plan(other, plan, tokens, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, sgd"):
+        remat.check_plan(model, plan, tokens, loss_fn=loss_fn, optimizer="lion")
+
+
+def test_differing_gradients_fail_the_verdict():
+    rows = [StepCheck(1, 100, 200, 0.02, 0.01, True, 0.0), StepCheck(2, 100, 200, 0.02, 0.01, False, 2.5e-3)]
+    result = PlanCheck(rows, predicted_peak=100, predicted_extra_time=0.01, profiled_peak=200, optimizer="sgd",
+                       device="cpu")
+    assert result.peaks_hold and not result.grads_equal and not result.holds
+    assert result.extra_time == pytest.approx(0.01) and result.extra_time_error == pytest.approx(0.0)
+    assert result.verdict() == ("the plan does not hold: gradients differ from the unplanned model's at step 2 "
+                                "(max |Δ| 0.0025); extra time 10.0 ms per step vs 10.0 ms predicted (+0%)")
+    assert "max |Δ| 0.0025" in str(result)
+
+
+# ---- the command --------------------------------------------------------------------------------------
+USER_MODULE = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    def build():
+        return nn.Sequential(*[Block() for _ in range(4)])
+
+    def batch():
+        return torch.randn(512, 16)
+''')
+
+
+def remat_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def planned_user_module(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user")
+    (path / "usermodel.py").write_text(USER_MODULE)
+    out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:batch", "--budget", "60%", "--allow",
+                    "checkpoint", "-o", "plan.json", cwd=path)
+    assert out.returncode == 0, out.stderr
+    assert "checkpoint" in json.loads((path / "plan.json").read_text())["decisions"].values()
+    return path
+
+
+def test_the_check_command_prints_the_table_and_a_verdict(planned_user_module):
+    out = remat_cli("check", "usermodel:build", "--plan", "plan.json", "--inputs", "usermodel:batch", "--steps", "2",
+                    "--optimizer", "sgd", cwd=planned_user_module)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for header in ("step", "peak predicted", "peak measured", "peak unplanned", "time predicted", "time measured",
+                   "time unplanned", "grads equal"):
+        assert header in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("the plan holds: 2 sgd steps peaked within 3% of the predicted"), out.stdout
+
+
+def test_the_check_command_exits_1_when_the_plan_does_not_hold(planned_user_module, tmp_path, monkeypatch, capsys):
+    data = json.loads((planned_user_module / "plan.json").read_text())
+    data["predicted_peak"] = data["param_bytes"] + int(0.7 * (data["predicted_peak"] - data["param_bytes"]))
+    (tmp_path / "wrong.json").write_text(json.dumps(data))
+    monkeypatch.chdir(planned_user_module)
+    assert main(["check", "usermodel:build", "--plan", str(tmp_path / "wrong.json"), "--input-shape", "512,16",
+                 "--steps", "1"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("the plan does not hold: step 1 peaked off")
+
+
+def test_a_missing_plan_file_is_one_line_and_exit_2(planned_user_module):
+    out = remat_cli("check", "usermodel:build", "--plan", "missing.json", "--input-shape", "512,16",
+                    cwd=planned_user_module)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "remat check: error: cannot read the plan 'missing.json' (No such file or directory); write one with "
+        "remat plan MODULE:FACTORY --budget 50% -o missing.json"]
+
+
+def test_the_check_command_has_help_with_examples():
+    out = remat_cli("check", "--help", cwd=None)
+    assert out.returncode == 0 and "examples:" in out.stdout and "usage: remat check" in out.stdout
