@@ -77,7 +77,7 @@ def test_a_plan_holds_at_every_step_of_a_training_loop(case, optimizer, budget, 
     peaks, backward_ops = [], []
     for step in range(STEPS):
         first, second = batches[2 * step], batches[2 * step + 1]
-        for net, opt in ((plain, plain_opt), (planned, planned_opt)):
+        for opt in (plain_opt, planned_opt):
             opt.zero_grad(set_to_none=True)
         expected = [_micro_batch(plain, first, loss_fn, step), _micro_batch(plain, second, loss_fn, 100 + step)]
         got = []
