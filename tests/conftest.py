@@ -21,3 +21,10 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def own_timings_cache(tmp_path, monkeypatch):
+    """Every test measures into a timings cache of its own (remat.planning.timecache): nothing measured by
+    another test, or on this machine before, decides a plan here."""
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))

@@ -44,8 +44,10 @@ only one of them is timed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -63,10 +65,17 @@ from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import resolve_blocks
 from .overheads import Overheads, measure_overheads
+from .timecache import TimingCache, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
 
-__all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "profile_ops"]
+__all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
+
+UNSTEADY = 0.10  # a forward whose rounds' interquartile range exceeds this share of their median is measured again
+
+
+class UnsteadyTimings(UserWarning):
+    """A block's timed forwards varied so much between rounds that its prices may move from run to run."""
 
 
 @dataclass(frozen=True)
@@ -481,11 +490,16 @@ def profile_ops(
             for finalizer in recorder.finalizers:
                 finalizer.detach()
             measure_policy = overheads is None
-            if overheads is None:
-                overheads = measure_overheads(device=str(device_of(tensors)))
-                if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
-                    overheads = replace(overheads, copy_per_byte=2 / bandwidth)
-            graphs = _graphs(records, estimated, overheads, repeats, measure_policy)
+            device = str(device_of(tensors))
+            with timings_cache() as cache:
+                if overheads is None:
+                    cached = cache.get("overheads", "", device)
+                    overheads = Overheads(**cached) if cached else measure_overheads(device=device)
+                    if not cached:
+                        cache.put("overheads", "", device, dataclasses.asdict(overheads))
+                    if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
+                        overheads = replace(overheads, copy_per_byte=2 / bandwidth)
+                graphs = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device)
     finally:
         for handle in handles:
             handle.remove()
@@ -496,7 +510,7 @@ def profile_ops(
 
 
 def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
-            measure_policy: bool) -> dict[str, BlockGraph]:
+            measure_policy: bool, cache: TimingCache, device: str) -> dict[str, BlockGraph]:
     by_signature: dict[str, BlockGraph] = {}
     graphs = {}
     for name, record in records.items():
@@ -504,7 +518,11 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
         shared = by_signature.get(graph.signature)
         if shared is None:
             if not estimated:
-                timing = pooled(_time_block(record, len(graph.nodes), repeats), record.work)
+                cached = cache.get("ops", graph.signature, device)
+                if cached is None:
+                    measured = _steady_times(record, len(graph.nodes), repeats)
+                    cached = cache.put("ops", graph.signature, device, dataclasses.asdict(measured))
+                timing = OpTimes(**cached)
                 graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
                                for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
                 graph.forward_time = timing.forward
@@ -515,6 +533,21 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
             shared = by_signature[graph.signature] = graph
         graphs[name] = shared
     return graphs
+
+
+def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
+    """The block's op times, measured again with more rounds where its forwards varied by more than
+    :data:`UNSTEADY`; a warning where they still did."""
+    timing = _time_block(record, n, repeats)
+    if timing.spread > UNSTEADY:
+        timing = _time_block(record, n, 2 * repeats + 1)
+        if timing.spread > UNSTEADY:
+            warnings.warn(UnsteadyTimings(
+                f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
+                "(is the machine busy?); plans priced from these times may differ from run to run. Profile on a "
+                "quieter machine, or again with fresh timings (remat.profile(..., fresh_timings=True), "
+                "remat plan --fresh-timings)."), stacklevel=4)
+    return pooled(timing, record.work)
 
 
 def _rng_devices(tensors: list[torch.Tensor]) -> list[int]:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Clock", "OpTimes", "device_of", "op_cost", "pooled", "time_ops"]
+__all__ = ["Clock", "OpTimes", "device_of", "op_cost", "pooled", "spread", "time_ops"]
 
 
 def device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
@@ -206,7 +206,8 @@ class OpTimes:
     """Per-op device and host seconds of one forward, scaled to its unwatched run, and a policy's host cost.
 
     ``forward`` is the device seconds of the unwatched forward; ``policy_forward`` / ``policy_replay`` the
-    host seconds per op a selective policy's forward / replay mode adds; ``asynchronous``: the clock's.
+    host seconds per op a selective policy's forward / replay mode adds; ``asynchronous``: the clock's;
+    ``spread``: how much the unwatched forward varied between rounds (interquartile range over median).
     """
 
     device: list[float]
@@ -215,6 +216,7 @@ class OpTimes:
     policy_forward: float
     policy_replay: float
     asynchronous: bool
+    spread: float = 0.0
 
     @property
     def wall(self) -> list[float]:
@@ -290,7 +292,20 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
         return growth * host_scale / host_total["alone"] / n if host_total["alone"] > 0 else 0.0
 
     return OpTimes([d * device_scale for d in device], [h * host_scale for h in host], forward,
-                   per_op("recorder"), per_op("replayer"), clock.asynchronous)
+                   per_op("recorder"), per_op("replayer"), clock.asynchronous, spread(plain_device))
+
+
+def spread(samples: list[float]) -> float:
+    """Interquartile range over median of ``samples``: 0 for fewer than two, or a zero median.
+
+    Example:
+        >>> round(spread([1.0, 1.0, 1.1, 1.2]), 3)
+        0.119
+    """
+    if len(samples) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / median if median > 0 else 0.0
 
 
 def _without_launch_gap(device: list[float], unwatched: float) -> list[float]:

@@ -24,6 +24,7 @@ from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure
 from .solver import plan_from_profile
+from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 
 __all__ = ["Profile", "SummedLossWarning", "plan", "profile"]
@@ -77,6 +78,7 @@ def profile(
     throughput: float = 100e12,
     repeats: int = 5,
     ops: bool = True,
+    fresh_timings: bool = False,
     **example_kwargs: Any,
 ) -> Profile:
     """Profile training steps of ``model(*example_inputs, **example_kwargs)`` (no checkpointing).
@@ -86,7 +88,9 @@ def profile(
     :class:`SummedLossWarning`).  Gradients are left as they were before the call.  Times are on the device's
     clock, medians over ``repeats`` rounds, and every option is priced from each block's op graph
     (:func:`remat.profile_ops`); ``ops=True`` keeps the graphs in ``.ops``, from which plans draw their op-level
-    ``selective`` options.  A Hugging Face model with ``use_cache=True`` is
+    ``selective`` options.  Measured times are kept per machine and reused by later profiles of the same blocks
+    (:mod:`remat.planning.timecache`), so the same model, inputs and budget give the same plan from one run to
+    the next; ``fresh_timings=True`` measures again.  A Hugging Face model with ``use_cache=True`` is
     profiled with the cache off, as transformers trains with gradient checkpointing (one warning; its config
     is left as it was).
 
@@ -109,7 +113,8 @@ def profile(
     blocks = resolve_blocks(model, modules)
     names = [name for name, _ in blocks]
     on_meta = MetaData() if device == "meta" else None
-    with cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext():
+    with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
+          measuring_afresh(fresh_timings)):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
                                throughput, repeats)

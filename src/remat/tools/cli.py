@@ -182,6 +182,7 @@ def _profile_of(args: argparse.Namespace):
     model, inputs, kwargs = _model_and_inputs(args)
     with _running_the_model(args.command):
         return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
+                       fresh_timings=getattr(args, "fresh_timings", False),
                        ops="selective" in getattr(args, "allow", ()), **kwargs)
 
 
@@ -384,6 +385,8 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modules", nargs="+", metavar="NAME",
                         help="candidate modules by qualified name (default: the repeated blocks)")
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
+    parser.add_argument("--fresh-timings", action="store_true",
+                        help="measure op times again instead of reusing this machine's (REMAT_CACHE_DIR)")
 
 
 _LOSS = ("The step's loss is the output's .loss (a Hugging Face model given labels by --inputs) or else the sum "
