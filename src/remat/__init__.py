@@ -39,6 +39,7 @@ _SOURCES = {
     "CheckpointImpl": "api.modules",
     "CheckpointWrapper": "api.modules",
     "InfeasibleBudget": "planning.solver",
+    "UnsteadyTimings": "planning.opgraph",
     "PlanCheck": "planning.check",
     "OffloadWrapper": "api.modules",
     "Plan": "planning.plan",
