@@ -83,7 +83,8 @@ def input_mismatch(planned: dict[str, str], seen: dict[str, str]) -> str:
 
 def watch_first_forward(model: nn.Module, planned: dict[str, str]) -> None:
     """On ``model``'s next forward, warn once (:class:`InputShapeWarning`) if its inputs' shapes differ from
-    ``planned``; the check then removes itself.  Calling it again replaces the pending check.
+    ``planned``; the check then removes itself.  Calling it again replaces the pending check.  Forwards traced
+    by torch.compile skip it (it runs at the next eager forward).
 
     Example:
         >>> watch_first_forward(model, plan.meta["inputs"])   # Plan.apply does this
@@ -107,6 +108,8 @@ def unwatch(model: nn.Module) -> None:
 
 
 def _check_first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if torch.compiler.is_compiling():  # a traced hook's removal and warning would not happen: leave compiled code be
+        return
     planned = module.__dict__.get(_EXPECTED)
     unwatch(module)
     problem = input_mismatch(planned or {}, describe_inputs(args, kwargs))
