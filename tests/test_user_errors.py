@@ -145,6 +145,14 @@ def test_a_model_or_inputs_remat_cannot_profile_is_refused_in_one_line(model, ar
     assert words in _one_line(str(refused.value))
 
 
+def test_a_misspelt_block_name_is_told_with_the_names_close_to_it():
+    model = nn.Sequential(Block(), Block())
+    with pytest.raises(ValueError) as refused:
+        remat.profile(model, torch.ones(2, 8), modules=["3"])
+    assert _one_line(str(refused.value)).startswith(
+        "remat.profile: Sequential has no module named '3' (it has 0, 1); name modules as model.named_modules() does")
+
+
 def test_a_plan_applied_to_something_else_than_a_module_says_so():
     plan = _plan_for(nn.Sequential(Block(), Block()), {})
     with pytest.raises(TypeError, match=r"^remat.Plan.apply: expected the torch.nn.Module .*got Tensor"):
