@@ -69,6 +69,15 @@ _USER_MODULE = textwrap.dedent('''
     def masked():
         return Masked()
 
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+
+        def forward(self, ids):
+            return self.blocks(self.embed(ids))
+
     def nothing():
         return None
 ''')
@@ -124,13 +133,16 @@ def test_a_forward_missing_a_keyword_argument_is_told_before_anything_runs():
     assert "mask=mask" in line
 
 
-def test_the_command_says_inputs_may_return_keyword_arguments(user_module, capsys):
+def test_the_command_says_what_inputs_the_model_needs(user_module, capsys):
     code, line = _run(["plan", f"{user_module}:masked", "--input-shape", "4,8", "--budget", "90%"], capsys)
     assert code == 2
     assert line.startswith("remat plan: error: Masked.forward(x, mask) is missing a required argument: 'mask'; ")
     assert "--inputs MODULE:FN returning a dict of keyword inputs, e.g. {'x': ..., 'mask': ...}" in line
     code, line = _run(["profile", f"{user_module}:masked", "--inputs", f"{user_module}:nothing"], capsys)
     assert code == 2 and "returned no tensor (NoneType)" in line
+    code, line = _run(["profile", f"{user_module}:Tokens", "--input-shape", "2,4"], capsys)
+    assert code == 2 and line.startswith("remat profile: error: running the model on the given inputs failed (")
+    assert line.endswith("--input-shape gives random floats: for token ids give --inputs")
 
 
 @pytest.mark.parametrize("model, args, kwargs, words", [

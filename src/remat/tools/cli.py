@@ -208,7 +208,7 @@ def _profile_of(args: argparse.Namespace):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
+            prof = profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
                            ops="selective" in getattr(args, "allow", ()), **kwargs)
         except ValueError as error:
             raise UserError(_unprefixed(str(error))) from error
@@ -216,10 +216,11 @@ def _profile_of(args: argparse.Namespace):
             if str(error).startswith("remat."):  # remat's own check of the inputs, already in one line
                 raise UserError(_unprefixed(str(error))) from error
             first_line = str(error).strip().splitlines()[0]
+            floats = "; --input-shape gives random floats: for token ids give --inputs" if args.input_shape else ""
             raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
-                            "check --input-shape / --inputs against the model's forward") from error
-        finally:
-            _print_warnings(args.command, caught)
+                            f"check --input-shape / --inputs against the model's forward{floats}") from error
+    _print_warnings(args.command, caught)  # after a failure they would only bury its one line
+    return prof
 
 
 def _check_forward(model: torch.nn.Module, inputs: tuple, kwargs: dict, args: argparse.Namespace) -> None:
