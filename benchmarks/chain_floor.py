@@ -40,7 +40,7 @@ def main() -> None:
     prof = remat.profile(model, x, loss_fn=loss_fn)
     params = prof.param_bytes + prof.buffer_bytes
     try:
-        plan_from_profile(prof, 2, allow=("checkpoint",))
+        plan_from_profile(prof, "1B", allow=("checkpoint",))  # one byte: nothing fits
     except InfeasibleBudget as error:
         floor = error.smallest - params
     every = plan_from_profile(prof, 1.0, allow=("checkpoint",))

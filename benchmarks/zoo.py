@@ -52,7 +52,7 @@ def run(name: str) -> list[str]:
     head = f"| {name} | {found} | {format_bytes(base)} | {format_bytes(floor)} ({floor / base:.0%}) | {seconds:.1f} s "
     lines = []
     try:
-        plan_from_profile(prof, 2)
+        plan_from_profile(prof, "1B")  # one byte: nothing fits
     except InfeasibleBudget as error:
         smallest = error.smallest
     for budget in (*BUDGETS, smallest):

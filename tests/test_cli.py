@@ -38,6 +38,14 @@ USER_MODULE = textwrap.dedent('''
 
     def broken():
         raise RuntimeError("no weights here")
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[Block() for _ in range(2)])
+
+        def forward(self, x, mask):
+            return self.blocks(x * mask)
 ''')
 
 
@@ -117,10 +125,13 @@ def test_bench_command_runs_a_case(tmp_path):
     (["profile", "usermodel:build", "--input-shape", "2,7"], "check --input-shape / --inputs"),
     (["profile", "usermodel:build"], "give the model's inputs"),
     (["plan", "usermodel:build", "--input-shape", "32,16", "--budget", "1KiB"], "smallest peak any plan reaches"),
+    (["plan", "usermodel:Masked", "--input-shape", "32,16", "--budget", "50%"],
+     "Masked.forward(x, mask) is missing a required argument: 'mask'; --input-shape gives positional float inputs "
+     "only: for other inputs give --inputs MODULE:FN returning a dict of keyword inputs, e.g. {'x': ..., 'mask': ...}"),
 ])
 def test_bad_input_is_one_line_and_nonzero(user_module, args, message):
     out = remat_cli(*args, cwd=user_module)
-    assert out.returncode != 0
+    assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
     assert "Traceback" not in out.stderr
@@ -171,7 +182,7 @@ def test_the_commands_allow_choices_are_the_planners():
     assert _ALLOW == DEFAULT_ALLOW and _ALLOWED == ALLOWED
 
 
-@pytest.mark.parametrize("budget", ["50", "150%", "1.5", "0%", "lots"])
+@pytest.mark.parametrize("budget", ["50", "150%", "1.5", "0%", "lots", "0", "-1", "0GiB", "5000"])
 def test_a_bad_budget_reads_the_same_in_python_and_on_the_command_line(budget, capsys):
     with pytest.raises(ValueError) as python:
         parse_budget(budget)

@@ -199,7 +199,7 @@ def test_budget_forms_and_errors():
     assert plan_from_profile(prof, prof.peak_bytes).budget == prof.peak_bytes  # an int is bytes
     with pytest.raises(ValueError, match="size"):
         plan_from_profile(prof, "lots")
-    with pytest.raises(ValueError, match="budget must be"):
+    with pytest.raises(ValueError, match="budget -3 is negative"):
         plan_from_profile(prof, -3)
 
 

@@ -111,7 +111,7 @@ def test_the_smallest_reachable_peak_is_what_its_plan_measures(name):
     case, prof = _case_and_profile(name)
     params = prof.param_bytes + prof.buffer_bytes
     with pytest.raises(InfeasibleBudget) as refused:
-        prof.plan(2)  # two bytes: nothing fits
+        prof.plan("1B")  # one byte: nothing fits
     smallest = refused.value.smallest
     plan = prof.plan(smallest)
     got = _measure(case, plan)

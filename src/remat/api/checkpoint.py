@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +13,14 @@ import torch
 from ..engine.checks import metadata_fn_for
 from ..engine.nonreentrant import run_nonreentrant
 from ..engine.reentrant import CheckpointFunction
+from ..policies import rules
 from ..policies.compiled import checkpoint_in_graph
 from ..policies.selective import create_selective_checkpoint_contexts
 
 __all__ = [
     "checkpoint",
     "noop_context_fn",
+    "resolve_policy",
     "set_checkpoint_debug_enabled",
     "set_checkpoint_early_stop",
 ]
@@ -30,6 +33,45 @@ def noop_context_fn() -> tuple[contextlib.nullcontext, contextlib.nullcontext]:
         >>> forward_ctx, recompute_ctx = noop_context_fn()
     """
     return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _ready_made() -> dict[str, rules.Policy]:
+    """The ready-made policies of :mod:`remat.policies.rules`, by name."""
+    return {name: getattr(rules, name) for name in rules.__all__ if isinstance(getattr(rules, name), rules.Policy)}
+
+
+def _name_policies() -> list[str]:
+    """The names of the rules' factories that make a policy from tensor names (``save_names``...)."""
+    return [name for name in rules.__all__ if name.endswith("_names")]
+
+
+def resolve_policy(policy: Any, who: str = "remat.checkpoint") -> Any:
+    """``policy`` as :func:`checkpoint` takes it: the name of a ready-made policy (``"save_matmuls"``) becomes
+    that policy; a policy, a policy function or a list of ops is returned as it is; anything else is refused in
+    one line naming ``who`` and the choices (ValueError for an unknown name, TypeError for another kind).
+
+    Example:
+        >>> resolve_policy("save_matmuls") is remat.policies.save_matmuls
+        True
+    """
+    if isinstance(policy, str):
+        ready = _ready_made()
+        if policy in ready:
+            return ready[policy]
+        choices = " and ".join(repr(name) for name in ready)
+        if policy in _name_policies():
+            raise ValueError(f"{who}: {policy!r} needs the names of the tensors it applies to (marked with "
+                             f"remat.tag): policy=remat.policies.{policy}('attn_out'); ready-made by name: {choices}.")
+        close = difflib.get_close_matches(policy, [*ready, *_name_policies()], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"{who}: no policy is named {policy!r}; {hint}the ready-made policies are {choices}, and "
+                         f"{', '.join(f'remat.policies.{n}(...)' for n in _name_policies())} make one from tensor "
+                         "names.")
+    if callable(policy) or isinstance(policy, (list, tuple, set, frozenset)):
+        return policy
+    raise TypeError(f"{who}: policy must be the name of a ready-made policy ({' or '.join(map(repr, _ready_made()))}), "
+                    "a policy such as remat.policies.save_names('attn_out'), a function (ctx, op, *args, **kwargs) -> "
+                    f"CheckpointPolicy, or a list of ops whose outputs to keep; got {type(policy).__name__}.")
 
 
 class _GlobalSwitch:
@@ -95,8 +137,9 @@ def checkpoint(
     Drop-in for ``torch.utils.checkpoint.checkpoint``.  ``use_reentrant=None``
     (the default) selects the non-reentrant variant, silently.
     ``preserve_rng_state`` (default True) travels in ``kwargs`` as in PyTorch.
-    ``policy`` (a :mod:`remat.policies` policy, a policy function or a list of
-    ops) selects what to keep, offload or recompute, op by op; it is sugar for
+    ``policy`` (a :mod:`remat.policies` policy or its name, ``"save_matmuls"``,
+    a policy function or a list of ops) selects what to keep, offload or
+    recompute, op by op; it is sugar for
     ``context_fn=partial(create_selective_checkpoint_contexts, policy)``.
     Under ``torch.compile`` the region and its policy go into the compiled
     graph (see :mod:`remat.policies.compiled`).
@@ -111,7 +154,7 @@ def checkpoint(
     if policy is not None:
         if context_fn is not noop_context_fn:
             raise ValueError("remat: pass either policy= or context_fn=, not both (a policy is a context_fn).")
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, resolve_policy(policy))
     if use_reentrant:
         if kwargs:
             raise ValueError(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..policies.offload import offload
-from .checkpoint import checkpoint
+from .checkpoint import checkpoint, resolve_policy
 
 __all__ = [
     "ActivationWrapper",
@@ -120,6 +120,9 @@ class CheckpointWrapper(ActivationWrapper):
     ) -> None:
         super().__init__(module)
         self.checkpoint_impl = checkpoint_impl
+        if checkpoint_fn is None and checkpoint_fn_kwargs.get("policy") is not None:
+            # told when the model is wrapped rather than at its first forward
+            checkpoint_fn_kwargs["policy"] = resolve_policy(checkpoint_fn_kwargs["policy"], "remat.checkpoint_wrapper")
         if checkpoint_fn is None:
             checkpoint_fn = functools.partial(
                 checkpoint,

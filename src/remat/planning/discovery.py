@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from collections.abc import Sequence
 
@@ -153,7 +154,14 @@ def resolve_blocks(model: nn.Module, modules: Sequence[str] | None,
     named = dict(model.named_modules())
     missing = [m for m in modules if m not in named]
     if missing:
-        raise ValueError(f"{who}: no module named {missing} in {type(model).__name__}.")
+        parent = missing[0].rpartition(".")[0]
+        siblings = [f"{parent}.{n}" if parent else n for n, _ in named[parent].named_children()] \
+            if parent in named else []
+        close = difflib.get_close_matches(missing[0], [name for name in named if name], n=3) or siblings[:4]
+        hint = f" (it has {', '.join(close)}{' ...' if close == siblings[:4] and len(siblings) > 4 else ''})" \
+            if close else ""
+        raise ValueError(f"{who}: {type(model).__name__} has no module named {missing[0]!r}{hint}; name modules as "
+                         "model.named_modules() does, e.g. 'model.layers.0'.")
     nested = [(a, b) for a in modules for b in modules if a != b and b.startswith(a + ".")]
     if nested:
         raise ValueError(f"{who}: {nested[0][1]} is inside {nested[0][0]}; name disjoint blocks.")

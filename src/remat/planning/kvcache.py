@@ -5,7 +5,9 @@ layer's keys and values to a cache in every forward.  A checkpointed layer rerun
 them again, so transformers turns the cache off in training when gradient checkpointing is on (with a
 warning).  remat does the same: :func:`cache_off` while profiling, and :func:`cache_off_in_training` on a
 model a plan is applied to (training-mode forwards run with ``use_cache=False``; evaluation keeps the cache).
-The configs are left as they were.
+The configs are left as they were.  One warning per model tells the user: a plan applied to a model whose
+profile warned says nothing more, and an encoder-only model (BERT: ``is_decoder=False``) never caches, so it
+is neither switched nor warned about.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = ["cache_off", "cache_off_in_training", "caching_configs", "restore_cac
 _HOOKS = "_remat_cache_hooks"
 _CONFIGS = "_remat_cache_configs"
 _SWITCHED = "_remat_cache_switched"
+_TOLD = "_remat_cache_told"
 
 
 def caching_configs(model: nn.Module, on_only: bool = True) -> list[Any]:
@@ -35,9 +38,16 @@ def caching_configs(model: nn.Module, on_only: bool = True) -> list[Any]:
     for module in model.modules():
         config = getattr(module, "config", None)
         use_cache = getattr(config, "use_cache", None)
-        if use_cache is True or (not on_only and isinstance(use_cache, bool)):
+        if (use_cache is True or (not on_only and isinstance(use_cache, bool))) and not _encoder_only(config):
             found.setdefault(id(config), config)
     return list(found.values())
+
+
+def _encoder_only(config: Any) -> bool:
+    """A config that says it is no decoder (BERT's ``is_decoder=False``, not part of an encoder-decoder): its
+    layers build no KV cache whatever ``use_cache`` says.  Decoder-only configs (Llama's) carry no
+    ``is_decoder``."""
+    return getattr(config, "is_decoder", None) is False and not getattr(config, "is_encoder_decoder", False)
 
 
 @contextmanager
@@ -54,7 +64,9 @@ def cache_off(model: nn.Module, kwargs: dict[str, Any], who: str) -> Iterator[di
     if configs or asked:
         warnings.warn(f"{who}: use_cache=True is incompatible with checkpointing in training; profiling "
                       f"{type(model).__name__} with use_cache=False, as transformers trains with gradient "
-                      "checkpointing (its config is left as it was).", stacklevel=4)
+                      "checkpointing, and a plan applied to it trains it so too (its config is left as it was; "
+                      "evaluation keeps the cache).", stacklevel=4)
+        model.__dict__[_TOLD] = True  # Plan.apply on this model says nothing more
     for config in configs:
         config.use_cache = False
     try:
@@ -77,7 +89,7 @@ def cache_off_in_training(model: nn.Module) -> None:
     configs = caching_configs(model, on_only=False)
     if not configs or getattr(model, _HOOKS, None) is not None:
         return
-    if any(config.use_cache for config in configs):
+    if any(config.use_cache for config in configs) and not model.__dict__.get(_TOLD):
         warnings.warn(f"remat.Plan.apply: {type(model).__name__} has use_cache=True, which is incompatible with "
                       "checkpointing in training; its training-mode forwards will run with use_cache=False, as "
                       "transformers does with gradient checkpointing (evaluation keeps the cache).", stacklevel=3)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from torch import nn
@@ -22,8 +22,20 @@ from torch import nn
 from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
 from ..policies.rules import save_matmuls
 from .blockpolicy import BlockPolicy
+from .inputs import unwatch, watch_first_forward
 from .kvcache import cache_off_in_training, restore_cache
 from .units import format_bytes
+
+
+class PlanFileError(ValueError):
+    """A file given to :meth:`Plan.load` is not a plan :meth:`Plan.save` wrote; the message says why, in one line.
+
+    Example:
+        >>> try:
+        ...     remat.Plan.load("notes.json")
+        ... except remat.PlanFileError as error:
+        ...     print(error)
+    """
 
 
 @dataclass
@@ -82,6 +94,8 @@ class Plan:
         self.check(model)
         if any(decision != "keep" for decision in self.decisions.values()):
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
+        if self.meta.get("inputs"):
+            watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)
             wrapped = isinstance(current, ActivationWrapper)
@@ -104,6 +118,9 @@ class Plan:
         Example:
             >>> remat.Plan.load("plan.json").check(model)
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"remat.Plan.apply: expected the torch.nn.Module the plan was made for, got "
+                            f"{type(model).__name__}; pass the model itself, e.g. plan.apply(model).")
         problem = _mismatch(self, model)
         if problem:
             raise ValueError(f"remat.Plan.apply: {problem}; plan this model (remat.plan or `remat plan`), or apply "
@@ -127,6 +144,7 @@ class Plan:
             if isinstance(current, ActivationWrapper):
                 setattr(parent, child, current._checkpoint_wrapped_module)
         restore_cache(model)
+        unwatch(model)
         return model
 
     def save(self, path: str) -> None:
@@ -140,13 +158,28 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        """Read a plan written by :meth:`save`.
+        """Read a plan written by :meth:`save`.  A file that is not one (truncated, another JSON file) is refused
+        with a :class:`PlanFileError` naming the file and what is wrong; a missing file is a FileNotFoundError.
 
         Example:
             >>> remat.Plan.load("plan.json").apply(model)
         """
-        with open(path) as f:
-            return cls(**json.load(f))
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise PlanFileError(_not_a_plan(path, "not text")) from None
+        except json.JSONDecodeError as error:
+            if error.pos >= len(error.doc.rstrip()):
+                reason = f"truncated JSON: it stops at line {error.lineno}"
+            else:
+                reason = f"not JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+            raise PlanFileError(_not_a_plan(path, reason)) from None
+        problem = _malformed(data)
+        if problem:
+            raise PlanFileError(_not_a_plan(path, problem))
+        return cls(**data)
 
     def __str__(self) -> str:
         counts: dict[str, int] = {}
@@ -174,6 +207,41 @@ class Plan:
             + (f" (+{self.predicted_extra_time / self.step_time:.0%})" if self.step_time else "")
         )
         return "\n".join(lines)
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "decisions": dict, "predicted_peak": int, "predicted_extra_time": (int, float), "budget": int,
+    "baseline_peak": int, "param_bytes": int, "step_time": (int, float), "meta": dict, "policies": dict,
+    "blocks": dict,
+}
+
+
+def _malformed(data: Any) -> str:
+    """What makes JSON data not a saved :class:`Plan`, in a phrase ('' if it is one)."""
+    if not isinstance(data, dict):
+        kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+        return f"a JSON {kind}, not an object"
+    unknown = [name for name in data if name not in _FIELD_TYPES]
+    if unknown:
+        return f"unknown field {unknown[0]!r}"
+    required = [f.name for f in fields(Plan) if f.name in _FIELD_TYPES and f.default is MISSING
+                and f.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        return f"no field {missing[0]!r}"
+    for name, value in data.items():
+        expected = _FIELD_TYPES[name]
+        if not isinstance(value, expected) or isinstance(value, bool):
+            wanted = "an object" if expected is dict else "an integer" if expected is int else "a number"
+            return f"field {name!r} is {json.dumps(value)[:20]}, not {wanted}"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["decisions"].items()):
+        return "'decisions' must map module names to options"
+    return ""
+
+
+def _not_a_plan(path: str, reason: str) -> str:
+    return (f"remat.Plan.load: {path} is not a remat plan ({reason}); make one with `remat plan ... -o {path}` "
+            "or Profile.plan(...).save(path).")
 
 
 def _kept_ops(policy: dict[str, Any] | None, shown: int = 4) -> str:

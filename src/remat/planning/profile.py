@@ -26,7 +26,7 @@ stop ends it there), on top of the live bytes at the start of that block's backw
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -143,9 +143,18 @@ def default_loss(output: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in tensor_leaves(output) if t.is_floating_point())
 
 
+def _kv_cache(output: Any) -> Any:
+    """The KV cache a Hugging Face output carries, or None.  Read from the output's own field (``cache`` since
+    transformers 5, ``past_key_values`` before): reading the old name of a new output logs a deprecation."""
+    names = getattr(type(output), "__dataclass_fields__", None)
+    if names is None or not isinstance(output, Mapping):  # not a ModelOutput (a dataclass and a dict)
+        return getattr(output, "past_key_values", None)
+    return next((getattr(output, name) for name in ("cache", "past_key_values") if name in names), None)
+
+
 def _refuse_kv_cache(output: Any) -> None:
     """Raise if a Hugging Face model filled a KV cache: every recomputation would extend it again."""
-    if getattr(output, "past_key_values", None) is not None:
+    if _kv_cache(output) is not None:
         raise ValueError(
             "remat.profile: the model returned past_key_values, so each forward appends to a KV cache and a "
             "checkpointed layer would see a longer cache when it is recomputed. Train without it: "

@@ -9,9 +9,13 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30}
 
 SMALLEST_BARE_BYTES = 2**20
-"""A budget written as a bare integer below this (``--budget 50``) is refused as a likely missing ``%``."""
+"""A budget written as a bare integer below this (``--budget 50``) is refused: people write sizes with a unit."""
 
-_FORMS = "a fraction of the unplanned peak above parameters (0.5 or 50%) or a whole-step size (8GiB, 512MB)"
+LARGEST_PERCENT_LIKE = 100
+"""An int budget up to this (``prof.plan(50)``) is refused as a likely missing ``%``; larger ints are bytes."""
+
+_FORMS = ("a fraction in (0, 1] of the unplanned peak above parameters (0.5 or 50%) or a whole-step size "
+          "(8GiB, 512MB)")
 
 
 def parse_bytes(text: str) -> int:
@@ -68,9 +72,13 @@ def parse_budget(value: Budget | int | float | str) -> Budget:
 
     * ``"50%"`` or a float / decimal string such as ``0.5`` or ``"0.5"``: a fraction in (0, 1] of the
       unplanned step's peak above parameters;
-    * ``"8GiB"``, ``"512MB"``: a whole-step size; an int (``8 * 2**30``) is bytes;
-    * a string of a bare integer is bytes from 1 MiB up; below that (``"50"``) it is refused as a likely
-      missing ``%``.
+    * ``"8GiB"``, ``"512MB"``: a whole-step size;
+    * an int is bytes (a computed size: ``8 * 2**30``, ``InfeasibleBudget.smallest``), except 1 to 100, which
+      is refused as a likely missing ``%`` (``prof.plan(50)``: did you mean 50%?);
+    * a string of a bare integer is bytes from 1 MiB up; below that (``"50"``) it is refused too: a size
+      typed by hand carries its unit.
+
+    Zero and negative budgets are refused.  Every refusal is a ValueError whose one line gives the valid forms.
 
     Example:
         >>> parse_budget("50%"), parse_budget(0.5) == parse_budget("50%"), parse_budget("8GiB").nbytes
@@ -82,29 +90,53 @@ def parse_budget(value: Budget | int | float | str) -> Budget:
         return _parse_text(value.strip())
     if isinstance(value, float):
         return _fraction(value, f"{value:g}")
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return Budget(nbytes=value)
-    raise ValueError(f"a budget must be {_FORMS}, or bytes as a positive int; got {value!r}.")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value > LARGEST_PERCENT_LIKE:
+            return Budget(nbytes=value)
+        raise ValueError(_not_bytes(str(value), value))
+    raise ValueError(f"a budget must be {_FORMS}, or bytes as an int; got {value!r} ({type(value).__name__}).")
 
 
 def _parse_text(text: str) -> Budget:
     if percent := re.fullmatch(r"(-?[0-9]*\.?[0-9]+)\s*%", text):
         return _fraction(float(percent.group(1)) / 100, text, percent=True)
-    if re.fullmatch(r"[0-9]+", text):
-        if int(text) < SMALLEST_BARE_BYTES:
-            raise ValueError(f"budget {text} would be {text} B: did you mean {text}%? Write {_FORMS}.")
-        return Budget(nbytes=int(text), text=text)
     if re.fullmatch(r"-?[0-9]*\.[0-9]+", text):
         return _fraction(float(text), text)
+    if re.fullmatch(r"-?[0-9]+", text):
+        if int(text) < SMALLEST_BARE_BYTES:
+            raise ValueError(_not_bytes(text, int(text)))
+        return Budget(nbytes=int(text), text=text)
+    if text.startswith("-"):
+        raise ValueError(f"budget {text} is negative: write {_FORMS}.")
     try:
-        return Budget(nbytes=parse_bytes(text), text=text)
+        nbytes = parse_bytes(text)
     except ValueError:
         raise ValueError(f"cannot read {text!r} as a budget: write {_FORMS}.") from None
+    if nbytes <= 0:
+        raise ValueError(f"budget {text} is no memory at all: write {_FORMS}.")
+    return Budget(nbytes=nbytes, text=text)
+
+
+def _not_bytes(text: str, value: int) -> str:
+    """Why a bare integer is refused as a budget, with the forms that work."""
+    if value < 0:
+        return f"budget {text} is negative: write {_FORMS}."
+    if value == 0:
+        return f"budget 0 is no memory at all: write {_FORMS}."
+    if value <= LARGEST_PERCENT_LIKE:
+        return f"budget {text} would be {text} B: did you mean {text}%? Write {_FORMS}."
+    return f"budget {text} would be {format_bytes(value)}: write a size with its unit (8GiB, 512MB) or a fraction " \
+           "in (0, 1] of the unplanned peak above parameters (0.5 or 50%)."
 
 
 def _fraction(value: float, shown: str, percent: bool = False) -> Budget:
     if not 0 < value <= 1:
-        hint = " (for a size, give bytes as an int or write it like 8GiB)" if value > 1 and not percent else ""
+        if percent or value <= 0:
+            hint = ""
+        elif value <= LARGEST_PERCENT_LIKE:
+            hint = f" (did you mean {shown}%? for a size, give bytes as an int or write it like 8GiB)"
+        else:
+            hint = " (for a size, give bytes as an int or write it like 8GiB)"
         raise ValueError(f"a fraction budget must be in (0, 1] (0.5 or 50% of the unplanned peak above "
                          f"parameters); got {shown}{hint}.")
     return Budget(fraction=value, text=shown if percent else "")

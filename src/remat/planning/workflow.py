@@ -8,6 +8,7 @@ does both in one call.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,7 @@ from torch import nn
 
 from ..api.modules import ActivationWrapper
 from .discovery import resolve_blocks
+from .inputs import describe_inputs
 from .kvcache import cache_off
 from .metadata import MetaData, NeedsRealData
 from .options import DEFAULT_ALLOW
@@ -27,7 +29,7 @@ from .solver import plan_from_profile
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 
-__all__ = ["Profile", "SummedLossWarning", "plan", "profile"]
+__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile"]
 
 
 class SummedLossWarning(UserWarning):
@@ -106,6 +108,7 @@ def profile(
         >>> prof = remat.profile(gpt, tokens, loss_fn=lambda logits: ...)
         >>> print(prof); plan = prof.plan(0.5)
     """
+    check_inputs(model, example_inputs, example_kwargs, "remat.profile")
     if device not in (None, "meta"):
         raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     if repeats < 1:
@@ -126,14 +129,73 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
-    result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)},
-                     model_meta=describe_model(model, names))
+    # The shapes travel with every plan from this profile: its predictions hold at them (Plan.apply checks).
+    model_meta = {**describe_model(model, names), "inputs": describe_inputs(example_inputs, example_kwargs)}
+    result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)}, model_meta=model_meta)
     if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
         result.ops = None
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
     return result
+
+
+def check_inputs(model: Any, args: tuple, kwargs: dict[str, Any], who: str = "remat.profile") -> None:
+    """Raise TypeError, in one line naming ``who``, if ``model(*args, **kwargs)`` cannot be a model's step:
+    ``model`` is not a Module, an input is a NumPy array, a positional input is a dict of the forward's keyword
+    arguments (a batch not unpacked), or the inputs do not fit the forward's signature.
+
+    Example:
+        >>> check_inputs(model, (ids,), {"labels": ids})
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: the model must be a torch.nn.Module, got {type(model).__name__}; wrap a function in "
+                        "a Module whose forward calls it.")
+    name = type(model).__name__
+    for where, value in [*((f"input {i}", v) for i, v in enumerate(args)), *kwargs.items()]:
+        if type(value).__module__ == "numpy":
+            raise TypeError(f"{who}: {where} is a NumPy {type(value).__name__}; pass tensors, e.g. "
+                            "torch.from_numpy(array).")
+    parameters = _forward_parameters(model)
+    for index, value in enumerate(args):
+        if isinstance(value, dict) and value and parameters and set(value) <= set(parameters):
+            raise TypeError(f"{who}: input {index} is a dict of {name}.forward's keyword arguments "
+                            f"({', '.join(map(str, value))}); unpack it: {who}(model, **batch).")
+    problem = forward_mismatch(model, args, kwargs)
+    if problem:
+        raise TypeError(f"{who}: {problem}; pass the inputs as the forward takes them, positional first and the rest "
+                        f"by name ({who}(model, x, mask=mask)).")
+
+
+def forward_mismatch(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
+    """Why ``model(*args, **kwargs)`` does not fit ``model.forward``'s signature, in a phrase naming the forward
+    and the argument ('' if it fits or the signature cannot be read).
+
+    Example:
+        >>> forward_mismatch(model, (x,), {})
+        "Masked.forward(x, mask) is missing a required argument: 'mask'"
+    """
+    if model._forward_pre_hooks:  # a pre-hook may supply or change arguments: the call itself will tell
+        return ""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no readable signature: the call itself will tell
+        return ""
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        shown = ", ".join(signature.parameters)
+        reason = str(error).replace("missing a required", "is missing a required")
+        verb = "" if reason.startswith("is ") else "cannot take these inputs: "
+        return f"{type(model).__name__}.forward({shown}) {verb}{reason}"
+    return ""
+
+
+def _forward_parameters(model: nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
@@ -178,12 +240,13 @@ def plan(
     """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
 
     ``budget``: a fraction of the unplanned step's peak above the parameters (``0.5`` or ``"50%"``), or the
-    whole step's peak as a size (``"8GiB"``, ``"512MB"``) or bytes (an int); the ``remat`` command reads
-    it the same way (:func:`~remat.planning.units.parse_budget`).  ``allow`` lists the options a block may
-    take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective`` (op-level: keep chosen op outputs
-    of the block, recompute the rest; needs one more forward to record the op graphs) and ``offload`` (only
-    considered on an accelerator).  For several budgets, profile once and call ``prof.plan(budget)`` for each.
-    The plan records the model it was made for (``plan.meta``) and checks it when applied.
+    whole step's peak as a size (``"8GiB"``, ``"512MB"``) or bytes (an int; 1 to 100 is refused: did you mean
+    50%?); the ``remat`` command reads it the same way (:func:`~remat.planning.units.parse_budget`).  ``allow``
+    lists the options a block may take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective``
+    (op-level: keep chosen op outputs of the block, recompute the rest; needs one more forward to record the op
+    graphs) and ``offload`` (only considered on an accelerator).  For several budgets, profile once and call
+    ``prof.plan(budget)`` for each.  The plan records the model it was made for (``plan.meta``) and checks it
+    when applied.
 
     Example:
         >>> p = remat.plan(model, input_ids=ids, labels=ids, budget="50%")   # Hugging Face: .loss is the loss
@@ -191,6 +254,7 @@ def plan(
         >>> p.apply(model)
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
+    check_inputs(model, example_inputs, example_kwargs, "remat.plan")
     if any(isinstance(m, ActivationWrapper) for m in model.modules()):
         raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
                          "(plan.remove(model)) so the profile sees the step without checkpointing.")

@@ -33,6 +33,7 @@ from ..api.checkpoint import checkpoint
 from ..models import Block, GPTConfig
 from ..planning.memory import measure_step
 from ..planning.timing import Clock, device_of
+from .arguments import at_least, writable_file
 
 __all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
 
@@ -242,10 +243,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options, shared by ``remat bench`` and ``benchmarks/run.py``."""
     parser.add_argument("--cases", nargs="*", default=list(_cases()), choices=list(_cases()))
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=9, help="timed rounds per variant (default 9, at least 7)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--json", default="bench_results.json", help="where to write the results")
+    parser.add_argument("--repeats", type=at_least(2, "a median and a spread need two rounds"), default=9,
+                        help="timed rounds per variant (default 9; 7 or more for steady figures)")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--json", type=writable_file, default="bench_results.json",
+                        help="where to write the results")
 
 
 def main(argv: list[str] | None = None) -> dict:

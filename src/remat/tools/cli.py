@@ -15,7 +15,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .. import __version__
 from ..planning.units import Budget, parse_budget
+from .arguments import at_least, fraction_below_one, writable_file
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +32,13 @@ no torch (test_cli checks that they agree)."""
 
 class UserError(Exception):
     """A mistake in the command line or in the user's code it points at: one line, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake in the arguments told in one line, without the usage (``--help`` shows it)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _mib(n: int) -> str:
@@ -156,6 +165,7 @@ def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple,
         if isinstance(inputs, dict):  # keyword inputs, as a Hugging Face model takes them
             inputs, kwargs = (), inputs
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        _check_inputs_returned(args.inputs, inputs, kwargs)
         if device == "meta":
             inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
             kwargs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -164,6 +174,21 @@ def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple,
     else:
         raise UserError("give the model's inputs: --input-shape 8,128 (random floats) or --inputs MODULE:FN")
     return model, inputs, kwargs
+
+
+def _check_inputs_returned(spec: str, inputs: tuple, kwargs: dict) -> None:
+    """Refuse what an --inputs function returned when no tensor is in it (None, a list of numbers, arrays)."""
+    import torch
+
+    from ..engine.replay import tensor_leaves
+
+    given = (*inputs, *kwargs.values())
+    if any(type(v).__module__ == "numpy" for v in given):
+        raise UserError(f"the inputs function {spec!r} returned NumPy arrays; return tensors (torch.from_numpy(array))")
+    if not any(isinstance(t, torch.Tensor) for t in tensor_leaves((inputs, kwargs))):
+        got = ", ".join(type(v).__name__ for v in given) or "nothing"
+        raise UserError(f"the inputs function {spec!r} returned no tensor ({got}); return the input tensor, a tuple "
+                        "of them, or a dict of keyword inputs such as {'input_ids': ids, 'labels': ids}")
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -180,28 +205,50 @@ def _profile_of(args: argparse.Namespace):
     from ..planning.workflow import profile
 
     model, inputs, kwargs = _model_and_inputs(args)
-    with _running_the_model(args.command):
+    _check_forward(model, inputs, kwargs, args)
+    with _running_the_model(args):
         return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
                        fresh_timings=getattr(args, "fresh_timings", False),
                        ops="selective" in getattr(args, "allow", ()), **kwargs)
 
 
 @contextlib.contextmanager
-def _running_the_model(command: str) -> Iterator[None]:
+def _running_the_model(args: argparse.Namespace) -> Iterator[None]:
     """Where the library runs the user's model: its refusals and the model's failures become one line, and its
-    warnings are printed once each in the command's terms."""
+    warnings are printed once each in the command's terms (after a failure they would only bury its line)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             yield
         except ValueError as error:
             raise UserError(_unprefixed(str(error))) from error
-        except RuntimeError as error:
+        except (RuntimeError, TypeError) as error:
+            if str(error).startswith("remat."):  # remat's own check of the inputs, already in one line
+                raise UserError(_unprefixed(str(error))) from error
             first_line = str(error).strip().splitlines()[0]
+            floats = "; --input-shape gives random floats: for token ids give --inputs" if args.input_shape else ""
             raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
-                            "check --input-shape / --inputs against the model's forward") from error
-        finally:
-            _print_warnings(command, caught)
+                            f"check --input-shape / --inputs against the model's forward{floats}") from error
+    _print_warnings(args.command, caught)
+
+
+def _check_forward(model: torch.nn.Module, inputs: tuple, kwargs: dict, args: argparse.Namespace) -> None:
+    """Refuse inputs that do not fit the model's forward before anything runs, saying how to give them."""
+    import inspect
+
+    from ..planning.workflow import forward_mismatch
+
+    problem = forward_mismatch(model, inputs, kwargs)
+    if not problem:
+        return
+    if args.inputs:
+        raise UserError(f"{problem}; make --inputs {args.inputs} return a tuple for positional inputs or a dict for "
+                        "keyword inputs")
+    required = [name for name, p in inspect.signature(model.forward).parameters.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    example = "{" + ", ".join(f"'{name}': ..." for name in required) + "}"
+    raise UserError(f"{problem}; --input-shape gives positional float inputs only: for other inputs give --inputs "
+                    f"MODULE:FN returning a dict of keyword inputs, e.g. {example}")
 
 
 def _print_warnings(command: str, caught: list[warnings.WarningMessage]) -> None:
@@ -297,8 +344,9 @@ def _check_cmd(args: argparse.Namespace) -> int:
     except TypeError as error:
         raise UserError(f"{args.plan!r} is not a plan written by remat plan -o ({error})") from error
     model, inputs, kwargs = _model_and_inputs(args)
+    _check_forward(model, inputs, kwargs, args)
     console = _console()
-    with _running_the_model(args.command), Progress(console=console, transient=True) as progress:
+    with _running_the_model(args), Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"{args.steps} steps with and without the plan", total=args.steps)
         result = check_plan(model, plan, *inputs, steps=args.steps, optimizer=args.optimizer,
                             on_step=lambda row: progress.advance(task), **kwargs)
@@ -333,6 +381,23 @@ def _steps(text: str) -> int:
     return steps
 
 
+def _show_cmd(args: argparse.Namespace) -> int:
+    from ..planning.plan import Plan, PlanFileError
+
+    try:
+        plan = Plan.load(args.plan)
+    except PlanFileError as error:
+        raise UserError(_unprefixed(str(error))) from error
+    except OSError as error:
+        raise UserError(f"cannot read {args.plan} ({error.strerror or error})") from error
+    meta = plan.meta
+    if meta.get("model"):
+        shapes = ", ".join(f"{name} {shape}" for name, shape in meta.get("inputs", {}).items())
+        print(f"a plan for {meta['model']}" + (f" at inputs {shapes}" if shapes else ""))
+    print(plan)
+    return 0
+
+
 def _bench_cmd(args: argparse.Namespace) -> int:
     from .bench import run
 
@@ -362,6 +427,9 @@ _EXAMPLES = {
   remat check mypkg.models:build_model --plan plan.json --input-shape 8,128
   remat check mypkg.models:build_model --plan plan.json --inputs mypkg.data:example_batch --steps 8 --optimizer sgd
   (exit status: 0 when the plan holds, 1 when it does not, 2 for a mistake in the command line)
+""",
+    "show": """examples:
+  remat show plan.json
 """,
     "bench": """examples:
   remat bench                              # every case: tiny, gpt, conv, wide
@@ -395,7 +463,8 @@ _LOSS = ("The step's loss is the output's .loss (a Hugging Face model given labe
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
     """The command line's parser; ``bench``'s options (which import torch) only when ``argv`` runs it."""
-    parser = argparse.ArgumentParser(prog="remat", description="Activation checkpointing for PyTorch.")
+    parser = _Parser(prog="remat", description="Activation checkpointing for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"remat {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -410,20 +479,22 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                    "every block checkpointed, every block with save_matmuls, and the planner's plan at a budget, "
                    "from identical weights and batches; print peak memory, step time and the largest "
                    "loss/gradient difference, and plot memory by block and over one step.")
-    demo.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
-    demo.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
-    demo.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    demo.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    demo.add_argument("--vocab-size", type=int, default=512, help="vocabulary size (default 512)")
-    demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
-    demo.add_argument("--dropout", type=float, default=0.1, help="dropout probability (default 0.1)")
-    demo.add_argument("--steps", type=int, default=5, help="training steps per mode (default 5)")
+    demo.add_argument("--layers", type=at_least(2, "the planner chooses among repeated blocks"), default=4,
+                      help="transformer blocks (default 4, at least 2)")
+    demo.add_argument("--d-model", type=at_least(1), default=128, help="model width (default 128)")
+    demo.add_argument("--heads", type=at_least(1), default=4, help="attention heads (default 4)")
+    demo.add_argument("--seq-len", type=at_least(1), default=256, help="tokens per sequence (default 256)")
+    demo.add_argument("--vocab-size", type=at_least(2), default=512, help="vocabulary size (default 512)")
+    demo.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per step (default 8)")
+    demo.add_argument("--dropout", type=fraction_below_one, default=0.1, help="dropout probability (default 0.1)")
+    demo.add_argument("--steps", type=at_least(1), default=5, help="training steps per mode (default 5)")
     demo.add_argument("--budget", type=_budget, default="50%",
                       help="the plan's budget: a fraction of the no-checkpointing peak above parameters "
                            "(0.5 or 50%%, the default) or a size (200MiB)")
-    demo.add_argument("--plot", default="remat_demo.png", help="PNG to write (default remat_demo.png; '' for none)")
+    demo.add_argument("--plot", type=writable_file, default="remat_demo.png",
+                      help="PNG to write (default remat_demo.png; '' for none)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout")
-    demo.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    demo.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default 0: torch's)")
     demo.set_defaults(run=_demo)
 
     prof = command("profile", "profile a model: activation memory and time per block",
@@ -447,7 +518,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                       help="options the plan may use (selective: keep chosen op outputs of a block, recompute "
                            "the rest; offload, on an accelerator only: move a block's activations, or chosen op "
                            "outputs, to host memory; default: all but offload)")
-    plan.add_argument("-o", "--output", help="write the plan as JSON")
+    plan.add_argument("-o", "--output", type=writable_file, help="write the plan as JSON")
     plan.set_defaults(run=_plan_cmd)
 
     check = command("check", "check a plan on its model: measured vs predicted peak, time and gradients",
@@ -463,6 +534,12 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     check.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
                        help="the optimizer stepping between steps (default adamw, lr 1e-3; sgd: lr 1e-2, momentum 0.9)")
     check.set_defaults(run=_check_cmd)
+
+    show = command("show", "print a plan saved by `remat plan -o`",
+                   "Read a plan written by `remat plan -o PLAN.json` (or Plan.save) and print it, as `remat plan` "
+                   "printed it, with what it was made for.")
+    show.add_argument("plan", metavar="PLAN.json", help="a plan file")
+    show.set_defaults(run=_show_cmd)
 
     bench = command("bench", "benchmark remat against torch.utils.checkpoint and no checkpointing",
                     "Time a training step of each case under no checkpointing, torch.utils.checkpoint and remat "
