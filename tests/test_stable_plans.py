@@ -101,6 +101,7 @@ def test_unsteady_timings_are_measured_again_then_warned_about(monkeypatch, stea
         return opgraph.replace(times, spread=0.0 if steady else 0.5)
 
     monkeypatch.setattr(opgraph, "_time_block", shaky)
+    monkeypatch.setenv("REMAT_UNSTEADY_SPREAD", "0.1")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         remat.profile_ops(_model(), torch.randn(8, 16, requires_grad=True), repeats=2)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -71,7 +72,13 @@ from .units import format_bytes
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
 
-UNSTEADY = 0.10  # a forward whose rounds' interquartile range exceeds this share of their median is measured again
+# A forward whose rounds' interquartile range exceeds this share of their median is measured again, then warned
+# about; REMAT_UNSTEADY_SPREAD sets another share ("inf": never).
+UNSTEADY = 0.10
+
+
+def _unsteady() -> float:
+    return float(os.environ.get("REMAT_UNSTEADY_SPREAD", UNSTEADY))
 
 
 class UnsteadyTimings(UserWarning):
@@ -537,11 +544,11 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
     """The block's op times, measured again with more rounds where its forwards varied by more than
-    :data:`UNSTEADY`; a warning where they still did."""
-    timing = _time_block(record, n, repeats)
-    if timing.spread > UNSTEADY:
+    :data:`UNSTEADY` (or ``REMAT_UNSTEADY_SPREAD``); a warning where they still did."""
+    timing, limit = _time_block(record, n, repeats), _unsteady()
+    if timing.spread > limit:
         timing = _time_block(record, n, 2 * repeats + 1)
-        if timing.spread > UNSTEADY:
+        if timing.spread > limit:
             warnings.warn(UnsteadyTimings(
                 f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
                 "(is the machine busy?); plans priced from these times may differ from run to run. Profile on a "
