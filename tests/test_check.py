@@ -3,13 +3,11 @@
 import copy
 import dataclasses
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cli import USER_MODULE, remat_cli
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
@@ -119,31 +117,6 @@ def test_differing_gradients_fail_the_verdict():
 
 
 # ---- the command --------------------------------------------------------------------------------------
-USER_MODULE = textwrap.dedent('''
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
-
-        def forward(self, x):
-            return x + self.down(torch.relu(self.up(x)))
-
-    def build():
-        return nn.Sequential(*[Block() for _ in range(4)])
-
-    def batch():
-        return torch.randn(512, 16)
-''')
-
-
-def remat_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
-
-
 @pytest.fixture(scope="module")
 def planned_user_module(tmp_path_factory):
     path = tmp_path_factory.mktemp("user")
