@@ -9,7 +9,9 @@ import argparse
 import os
 from collections.abc import Callable
 
-__all__ = ["at_least", "fraction_below_one", "writable_file"]
+from ..planning.optimizers import OPTIMIZERS
+
+__all__ = ["add_optimizer_argument", "at_least", "fraction_below_one", "writable_file"]
 
 
 def at_least(smallest: int, why: str = "") -> Callable[[str], int]:
@@ -68,3 +70,11 @@ def writable_file(text: str) -> str:
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"the folder {folder} is not writable; write elsewhere")
     return text
+
+
+def add_optimizer_argument(parser: argparse.ArgumentParser) -> None:
+    """``--optimizer``, one of :data:`~remat.planning.optimizers.OPTIMIZERS`: shared by every command and
+    benchmark that trains."""
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="the optimizer stepping between steps: adamw (the default; lr 1e-3, foreach), sgd "
+                             "(lr 1e-2, momentum 0.9) or adamw-fused")

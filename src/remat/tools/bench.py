@@ -10,9 +10,12 @@ under every variant on the device's clock (CUDA events on a GPU, the CPU's
 clock on the CPU: see :mod:`remat.planning.timing`), interleaved round-robin so
 that machine noise hits all variants alike; warm-up rounds are excluded and the
 median of ``--repeats``
-rounds is reported with its spread (interquartile range).  Peak memory is
-MemTracker's whole-step peak minus parameters and buffers, measured once per
-variant (bytes are deterministic).
+rounds is reported with its spread (interquartile range).  After every timed step
+the optimizer (``--optimizer``, AdamW by default: :mod:`remat.planning.optimizers`)
+steps the case's parameters, untimed, as a training loop would (``tiny`` has no
+parameters to step).  Peak memory is MemTracker's whole-step peak minus
+parameters and buffers, measured once per variant after the timed rounds, with
+the optimizer's state in place and not counted (bytes are deterministic).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import platform
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +35,9 @@ from torch import nn
 from ..api.checkpoint import checkpoint
 from ..models import Block, GPTConfig
 from ..planning.memory import measure_step
+from ..planning.optimizers import make_optimizer
 from ..planning.timing import Clock, device_of
-from .arguments import at_least, writable_file
+from .arguments import add_optimizer_argument, at_least, writable_file
 
 __all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
 
@@ -143,27 +147,34 @@ def _step(case: Case, wrap: Wrap, x: torch.Tensor) -> None:
     h.float().pow(2).mean().backward()
 
 
-def _time_round(case: Case, wrap: Wrap, clock: Clock) -> float:
+def _time_round(case: Case, wrap: Wrap, clock: Clock, optimizer: torch.optim.Optimizer | None) -> float:
     x = case.make_input()
     case.blocks.zero_grad(set_to_none=True)
-    return clock.time(lambda: _step(case, wrap, x))[1]
+    seconds = clock.time(lambda: _step(case, wrap, x))[1]
+    if optimizer is not None:
+        optimizer.step()
+    return seconds
 
 
 def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
-                       device: str | torch.device = "cpu") -> list[dict[str, float]]:
+                       device: str | torch.device = "cpu",
+                       after: Mapping[str, Callable[[], object]] | None = None) -> list[dict[str, float]]:
     """Device seconds each step took, round by round: every step once per round, the order rotated.
 
     Times are taken on ``device``'s clock (:class:`~remat.planning.timing.Clock`: events on an
     accelerator, read after one synchronize per round; the CPU's clock on the CPU).  Rounds are seeded
     (``torch.manual_seed(round)``) so every step sees the same dropout masks in a round; the ``warmup``
     first rounds are run and dropped.  Pair steps within a round (``r[a] / r[b]``) to cancel the machine's
-    slow drifts.
+    slow drifts.  ``after[label]()`` runs right after that label's step, outside its timed span (an
+    optimizer's step, so that the steps timed are those of a training loop).
 
     Example:
-        >>> times = interleaved_rounds({"plain": lambda: step(model), "ckpt": lambda: step(wrapped)}, 11)
+        >>> times = interleaved_rounds({"plain": lambda: step(model), "ckpt": lambda: step(wrapped)}, 11,
+        ...                            after={"plain": opt.step, "ckpt": wrapped_opt.step})
         >>> statistics.median(r["ckpt"] / r["plain"] for r in times)
     """
     labels = list(steps)
+    after = after or {}
     clock = Clock(device)
     result = []
     for round_index in range(warmup + rounds):
@@ -174,20 +185,24 @@ def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warm
             start = clock.mark()
             steps[label]()
             marks[label] = start, clock.mark()
+            if label in after:
+                after[label]()
         times = clock.read()
         if round_index >= warmup:
             result.append({label: times[end] - times[start] for label, (start, end) in marks.items()})
     return result
 
 
-def run_case(case: Case, variants: list[str], repeats: int, warmup: int) -> dict:
+def run_case(case: Case, variants: list[str], repeats: int, warmup: int, optimizer: str = "adamw") -> dict:
     times: dict[str, list[float]] = {v: [] for v in variants}
     clock = Clock(device_of(case.blocks.parameters()))
+    params = list(case.blocks.parameters())
+    stepper = make_optimizer(optimizer, params) if params else None
     for round_index in range(warmup + repeats):
         # rotate the order each round so no variant always runs first
         order = variants[round_index % len(variants):] + variants[: round_index % len(variants)]
         for variant in order:
-            elapsed = _time_round(case, VARIANTS[variant], clock)
+            elapsed = _time_round(case, VARIANTS[variant], clock, stepper)
             if round_index >= warmup:
                 times[variant].append(elapsed)
     result = {"description": case.description, "variants": {}}
@@ -247,6 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed rounds per variant (default 9; 7 or more for steady figures)")
     parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed rounds first (default 2)")
     parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default 1)")
+    add_optimizer_argument(parser)
     parser.add_argument("--json", type=writable_file, default="bench_results.json",
                         help="where to write the results")
 
@@ -267,7 +283,8 @@ def run(args: argparse.Namespace) -> dict:
     for name in args.cases:
         torch.manual_seed(0)
         case = _cases()[name]()
-        all_results["cases"][name] = run_case(case, list(args.variants), args.repeats, args.warmup)
+        all_results["cases"][name] = run_case(case, list(args.variants), args.repeats, args.warmup,
+                                              args.optimizer)
         print(f"done: {name}", file=sys.stderr)
     print(f"machine: {machine}; median of {args.repeats} interleaved rounds (± interquartile range)")
     print(format_table(all_results))

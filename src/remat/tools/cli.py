@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..planning.units import Budget, parse_budget
-from .arguments import at_least, fraction_below_one, writable_file
+from .arguments import add_optimizer_argument, at_least, fraction_below_one, writable_file
 
 if TYPE_CHECKING:
     import torch
@@ -84,12 +84,12 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(
         f"[bold]remat demo[/]: GPT with {cfg.n_layers} blocks, d_model {cfg.d_model}, {cfg.n_heads} heads, "
         f"sequence {cfg.seq_len}, batch {args.batch_size}, dropout {cfg.dropout}; {args.steps} training steps "
-        f"per mode on {torch.get_num_threads()} CPU thread(s); plan budget {args.budget}."
+        f"per mode ({args.optimizer}) on {torch.get_num_threads()} CPU thread(s); plan budget {args.budget}."
     )
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("profiling and training", total=args.steps * 4)
         results, prof, plan = run_demo(cfg, args.batch_size, args.steps, args.seed, args.budget,
-                                 on_step=lambda: progress.advance(task))
+                                       on_step=lambda: progress.advance(task), optimizer=args.optimizer)
     base = results[0]
     table = Table(title="one training step (forward + backward) of the demo GPT")
     for column in ("mode", "peak above params", "whole peak", "step time", "overhead", "max |Δloss|", "max |Δgrad|"):
@@ -109,7 +109,8 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(str(plan), markup=False, highlight=False)
     console.print(
         "Peaks are MemTracker's whole-step figures (parameters, gradients, activations and tensors recomputed "
-        "in backward); step time is the median after the first step."
+        f"in backward; the {args.optimizer} optimizer's state is not counted, as the plan does not count it); "
+        "step time is the median after the first step, the optimizer's step left out."
     )
     if args.plot:
         plot(results, prof, args.plot)
@@ -495,6 +496,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                       help="PNG to write (default remat_demo.png; '' for none)")
     demo.add_argument("--seed", type=int, default=0, help="seed for weights, data and dropout")
     demo.add_argument("--threads", type=at_least(0), default=0, help="torch CPU threads (default 0: torch's)")
+    add_optimizer_argument(demo)
     demo.set_defaults(run=_demo)
 
     prof = command("profile", "profile a model: activation memory and time per block",

@@ -5,6 +5,11 @@ same dropout masks, so their losses and gradients must agree exactly; what
 differs is peak memory and step time.  Modes: no checkpointing, every block
 checkpointed, every block with ``save_matmuls``, and the planner's plan at a
 budget, which may keep chosen op outputs of a block (``selective``).
+
+Each step is timed from zeroing the gradients to the end of backward; the
+optimizer's step (AdamW by default, :mod:`remat.planning.optimizers`) follows it,
+untimed.  The peak is measured after training, with the optimizer's state in
+place and not counted: the figure the plan predicts.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from ..api.modules import apply_activation_checkpointing
 from ..models import GPT, Block, GPTConfig, synthetic_batch
 from ..planning.memory import measure_step
+from ..planning.optimizers import make_optimizer
 from ..planning.options import block_options
 from ..planning.plan import Plan
 from ..planning.solver import InfeasibleBudget, plan_from_profile
@@ -103,8 +109,8 @@ def _modes(prof: Profile, budget: float | int | str) -> tuple[dict[str, Callable
 
 
 def _train(name: str, model: GPT, decisions: list[str], kept: list[int], batches: list, seed: int,
-           on_step: Callable[[], None]) -> ModeResult:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+           on_step: Callable[[], None], optimizer: str) -> ModeResult:
+    opt = make_optimizer(optimizer, model.parameters())
     losses, grads, times = [], [], []
     for step, (tokens, targets) in enumerate(batches):
         torch.manual_seed(seed + step)  # same dropout masks in every mode
@@ -137,8 +143,11 @@ def run_demo(
     seed: int = 0,
     budget: float | int | str = 0.5,
     on_step: Callable[[], None] = lambda: None,
+    optimizer: str = "adamw",
 ) -> tuple[list[ModeResult], Profile, Plan]:
     """Train ``steps`` steps per mode from identical starting points; return the measurements, profile and plan.
+
+    ``optimizer`` names one of :data:`remat.planning.optimizers.OPTIMIZERS`.
 
     Example:
         >>> results, prof, plan = run_demo(GPTConfig(n_layers=2, seq_len=32), batch_size=2, steps=2)
@@ -156,7 +165,8 @@ def run_demo(
     for name, prepare in modes.items():
         model = copy.deepcopy(reference)
         decisions = prepare(model)
-        results.append(_train(name, model, decisions, _kept_by_block(prof, plan, decisions), batches, seed, on_step))
+        results.append(_train(name, model, decisions, _kept_by_block(prof, plan, decisions), batches, seed, on_step,
+                              optimizer))
     return results, prof, plan
 
 
