@@ -13,10 +13,19 @@ own subprocess (the compiler's budget is read when a graph is compiled), torch.c
 `torch._functorch.config.activation_memory_budget` at 1.0/0.7/0.5/0.3, interleaved there with eager
 no-checkpointing so its time ratio is measured side by side too.
 
+Every mode trains: after each of its steps its own optimizer (``--optimizer``, AdamW with ``foreach`` by
+default) steps its parameters, outside the timed span. The steps timed are thus those of a training loop,
+whose optimizer writes every parameter in place between them, and the times compare with the plans'
+predictions, which price forward and backward only.
+
 Peak: the whole training step's peak above parameters and buffers (gradients, activations, tensors
-recomputed in backward). Eager rows use MemTracker; compiled rows use the profiler's allocation events
-(`remat.planning.memory.profiled_peak`), which give the same bytes on eager code. Time: median step time over
-no-checkpointing's in the same round (median over rounds, with the interquartile range of those ratios).
+recomputed in backward), measured after the timed rounds with the optimizer's state in place and not
+counted — what ``plan.predicted_peak - plan.param_bytes`` predicts. Eager rows use MemTracker; compiled rows
+use the profiler's allocation events (`remat.planning.memory.profiled_peak`), which give the same bytes on
+eager code. Time: median step time over no-checkpointing's in the same round (median over rounds, with the
+interquartile range of those ratios); extra time: the median over rounds of the step's time minus
+no-checkpointing's. A plan's row shows its predicted peak (and the measured peak's error against it) and its
+predicted extra time, on the scale of the profile's step time.
 """
 
 from __future__ import annotations
@@ -37,8 +46,11 @@ from torch import nn
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
 from remat.planning.memory import profiled_peak
+from remat.planning.optimizers import make_optimizer
+from remat.planning.plan import Plan
 from remat.planning.solver import InfeasibleBudget, plan_from_profile
 from remat.planning.units import format_bytes
+from remat.tools.arguments import add_optimizer_argument
 from remat.tools.bench import Chain, _cases, interleaved_rounds
 
 PLAN_FRACTIONS = (0.3, 0.5, 0.7)
@@ -79,8 +91,10 @@ def _wrapped(work: Workload, every_n: int = 1, policy=None) -> nn.Module:
     return model
 
 
-def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, nn.Module], dict[str, str]]:
-    """Every eager configuration, by label, and the decisions of each plan.
+def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, nn.Module], dict[str, str],
+                                                                   dict[str, Plan]]:
+    """Every eager configuration, by label, a note on each plan (its decisions, or why it was refused) and the
+    plans themselves.
 
     Besides the fractional budgets, each baseline gets a plan whose budget is that baseline's own measured
     peak ("remat.plan at every 2"): the head-to-head comparison at equal memory.
@@ -94,7 +108,7 @@ def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, 
     for label in list(variants)[1:]:
         peak = remat.measure_step(lambda m=variants[label]: work.step(m), variants[label]).peak_above_params
         budgets[f"at {label}"] = prof.param_bytes + prof.buffer_bytes + peak
-    notes = {}
+    notes, plans = {}, {}
     families = {"remat.plan": ("checkpoint", "save_matmuls", "selective")}
     if blocks_only:
         families["remat.plan blocks only"] = ("checkpoint", "save_matmuls")
@@ -107,45 +121,58 @@ def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, 
                 notes[label] = f"refused: {error}"
                 continue
             variants[label] = plan.apply(copy.deepcopy(work.model))
-            letters = "".join(_LETTERS[d] for d in plan.decisions.values())
-            notes[label] = f"{letters}, predicted ×{1 + plan.predicted_extra_time / prof.step_time:.2f}"
-    return variants, notes
+            plans[label] = plan
+            notes[label] = "".join(_LETTERS[d] for d in plan.decisions.values())
+    return variants, notes, plans
 
 
 _LETTERS = {"keep": "K", "checkpoint": "C", "save_matmuls": "M", "selective": "S", "offload": "O"}
 
 
-def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: int, warmup: int) -> dict:
-    """Step times of each variant, round-robin with a rotating order so noise hits all alike (paired by round)."""
+def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: int, warmup: int,
+                      optimizer: str) -> dict:
+    """Step times of each variant, round-robin with a rotating order so noise hits all alike (paired by round);
+    each variant's optimizer steps after each of its steps, untimed."""
+    optimizers = {label: make_optimizer(optimizer, model.parameters()) for label, model in variants.items()}
     rounds = interleaved_rounds({label: lambda m=model: work.step(m) for label, model in variants.items()},
-                                repeats, warmup)
+                                repeats, warmup, after={label: opt.step for label, opt in optimizers.items()})
     return {label: [r[label] for r in rounds] for label in variants}
 
 
 def _summary(samples: list[float], reference: list[float]) -> dict:
-    """Median step time and the median of per-round ratios to ``reference`` (same round, so slow drifts of
-    the machine cancel), with the ratios' interquartile range."""
+    """Median step time, the median of per-round ratios to ``reference`` (same round, so slow drifts of
+    the machine cancel) with the ratios' interquartile range, and the median per-round difference."""
     ratios = [a / b for a, b in zip(samples, reference)]
     q1, median, q3 = statistics.quantiles(ratios, n=4)
-    return {"median_ms": statistics.median(samples) * 1e3, "ratio": median, "ratio_q1": q1, "ratio_q3": q3}
+    extra = statistics.median(a - b for a, b in zip(samples, reference))
+    return {"median_ms": statistics.median(samples) * 1e3, "ratio": median, "ratio_q1": q1, "ratio_q3": q3,
+            "extra_ms": extra * 1e3}
 
 
-def measure_eager(name: str, repeats: int, warmup: int, blocks_only: bool = True) -> list[dict]:
+def _predictions(plan: Plan) -> dict:
+    """What a plan predicts, in the rows' terms: peak above parameters and buffers, extra time and its ratio."""
+    return {"predicted_peak": plan.predicted_peak - plan.param_bytes,
+            "predicted_extra_ms": plan.predicted_extra_time * 1e3,
+            "predicted_ratio": 1 + plan.predicted_extra_time / plan.step_time}
+
+
+def measure_eager(name: str, repeats: int, warmup: int, optimizer: str, blocks_only: bool = True) -> list[dict]:
     work = workload(name)
-    variants, notes = eager_variants(work, blocks_only)
-    samples = interleaved_times(work, variants, repeats, warmup)
+    variants, notes, plans = eager_variants(work, blocks_only)
+    samples = interleaved_times(work, variants, repeats, warmup, optimizer)
     rows = []
     for label, model in variants.items():
         peak = remat.measure_step(lambda m=model: work.step(m), model).peak_above_params
+        predicted = _predictions(plans[label]) if label in plans else {}
         rows.append({"model": name, "mode": label, "peak_above_params": peak, "note": notes.get(label, ""),
-                     **_summary(samples[label], samples["no checkpointing"])})
+                     **predicted, **_summary(samples[label], samples["no checkpointing"])})
     for label, note in notes.items():
         if label not in variants:
             rows.append({"model": name, "mode": label, "peak_above_params": None, "note": note})
     return rows
 
 
-def measure_compiled(name: str, budget: float, repeats: int, warmup: int) -> dict:
+def measure_compiled(name: str, budget: float, repeats: int, warmup: int, optimizer: str) -> dict:
     """torch.compile (inductor) at one activation_memory_budget, interleaved with eager plain."""
     import torch._functorch.config as functorch_config
 
@@ -154,32 +181,41 @@ def measure_compiled(name: str, budget: float, repeats: int, warmup: int) -> dic
     compiled = torch.compile(compiled_model)
     with functorch_config.patch(activation_memory_budget=budget):
         work.step(compiled)  # compiles forward and backward under this budget
-    samples = interleaved_times(work, {"no checkpointing": work.model, "compiled": compiled}, repeats, warmup)
+    samples = interleaved_times(work, {"no checkpointing": work.model, "compiled": compiled}, repeats, warmup,
+                                optimizer)
     compiled_model.zero_grad(set_to_none=True)
     peak = profiled_peak(lambda: work.step(compiled))
     return {"model": name, "mode": f"torch.compile budget {budget:g}", "peak_above_params": peak, "note": "",
             **_summary(samples["compiled"], samples["no checkpointing"])}
 
 
-def _compiled_in_subprocess(name: str, budget: float, repeats: int, warmup: int) -> dict:
+def _compiled_in_subprocess(name: str, budget: float, repeats: int, warmup: int, optimizer: str) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--compiled-one", name, str(budget), "--repeats", str(repeats),
-         "--warmup", str(warmup)], capture_output=True, text=True, check=True)
+         "--warmup", str(warmup), "--optimizer", optimizer], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| model | mode | peak above params | % of plain | step time vs plain (IQR) | plan / note |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | mode | peak above params | % of plain | predicted peak (measured's error) "
+             "| step time vs plain (IQR) | predicted | extra ms: measured / predicted | plan / note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     plain = {r["model"]: r["peak_above_params"] for r in rows if r["mode"] == "no checkpointing"}
     for r in rows:
         if r["peak_above_params"] is None:
-            lines.append(f"| {r['model']} | {r['mode']} | — | — | — | {r['note']} |")
+            lines.append(f"| {r['model']} | {r['mode']} | — | — | — | — | — | — | {r['note']} |")
             continue
         share = r["peak_above_params"] / plain[r["model"]]
         timing = f"×{r['ratio']:.2f} ({r['ratio_q1']:.2f}–{r['ratio_q3']:.2f})"
+        predicted_peak = predicted_ratio = ""
+        extra = f"{r['extra_ms']:+.1f}"
+        if "predicted_peak" in r:
+            error = r["peak_above_params"] / r["predicted_peak"] - 1
+            predicted_peak = f"{format_bytes(r['predicted_peak'])} ({error:+.1%})"
+            predicted_ratio = f"×{r['predicted_ratio']:.2f}"
+            extra += f" / {r['predicted_extra_ms']:+.1f}"
         lines.append(f"| {r['model']} | {r['mode']} | {format_bytes(r['peak_above_params'])} | {share:.0%} | "
-                     f"{timing} | {r['note']} |")
+                     f"{predicted_peak} | {timing} | {predicted_ratio} | {extra} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -191,19 +227,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--no-blocks-only", action="store_true",
                         help="skip the plans restricted to block-level options")
+    add_optimizer_argument(parser)
     parser.add_argument("--json", default="frontier_results.json")
     parser.add_argument("--compiled-one", nargs=2, metavar=("MODEL", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.compiled_one:
         name, budget = args.compiled_one
-        print(json.dumps(measure_compiled(name, float(budget), args.repeats, args.warmup)))
+        print(json.dumps(measure_compiled(name, float(budget), args.repeats, args.warmup, args.optimizer)))
         return
     rows = []
     for name in args.models:
-        rows += measure_eager(name, args.repeats, args.warmup, not args.no_blocks_only)
+        rows += measure_eager(name, args.repeats, args.warmup, args.optimizer, not args.no_blocks_only)
         if not args.no_compile:
-            rows += [_compiled_in_subprocess(name, b, args.repeats, args.warmup) for b in COMPILE_BUDGETS]
+            rows += [_compiled_in_subprocess(name, b, args.repeats, args.warmup, args.optimizer)
+                     for b in COMPILE_BUDGETS]
     print(format_table(rows))
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=2)
