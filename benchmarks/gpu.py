@@ -14,10 +14,18 @@ The model is ``LlamaForCausalLM`` built from a config (random weights, no downlo
 Every mode runs once per round, the order rotated each round, ``--rounds`` rounds after ``--warmup`` (eager
 modes in one phase, compiled ones in a second, both with plain eager as the reference of "x plain").
 
-* Time: CUDA events around the step (perf_counter on the CPU, where host time is device time); the
-  median over rounds, and the median of per-round ratios to plain.
+* Training: after the step of every mode in every round (warm-up rounds included) the optimizer
+  (``--optimizer``: AdamW with ``foreach`` by default, SGD with momentum, or fused AdamW; one for the model,
+  whose parameters every mode shares) steps the parameters, outside the timed span, as a training loop does
+  between steps; one untimed step before the first round creates its state. The optimizer's time is left
+  out: it is the same in every mode, and the plans' predicted extra time prices forward and backward only.
+* Time: CUDA events around the step (on the CPU the CPU's clock: this thread's CPU time with one torch
+  thread, ``OMP_NUM_THREADS=1``, else perf_counter); the median over rounds, and the median of per-round
+  ratios to plain.
 * Peak: ``torch.cuda.max_memory_allocated`` above the step's start (gradients included, as they are
-  ``None`` at the start); on the CPU the profiler's allocation events (``remat.planning.memory.profiled_peak``).
+  ``None`` at the start; the optimizer's state, which exists before the step, is not); on the CPU the
+  profiler's allocation events (``remat.planning.memory.profiled_peak``), from the same start. Both compare
+  with ``plan.predicted_peak - plan.param_bytes``, which counts neither parameters nor optimizer state.
 * Eager modes share one model: layers are wrapped (``model.model.layers[i]`` replaced by a module that calls
   ``fn(layer, *args, **kwargs)``) or a plan applied before the step, and restored after it.  Compiled modes
   each compile their own copy of the module tree (sharing the parameters); torch.compile's
@@ -39,14 +47,13 @@ import copy
 import fnmatch
 import functools
 import gc
-import json
 import pickle
 import statistics
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +62,12 @@ from torch import nn
 
 import remat
 from remat.planning.memory import profiled_peak
+from remat.planning.optimizers import make_optimizer
+from remat.planning.timing import Clock
+from remat.tools.arguments import add_optimizer_argument
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_report, beside this file however it is loaded
+from gpu_report import Row, mib, print_header, report, save, summarize  # noqa: E402
 
 PLAN_FRACTIONS = (0.7, 0.5, 0.3)
 COMPILE_BUDGETS = (0.7, 0.5, 0.3)
@@ -122,11 +135,13 @@ def _remat_policy(rule: Callable[[Any], Any], name: str) -> Callable[..., Any]:
 
 @dataclass
 class Workload:
-    """The model, its inputs and the device; ``step(model)`` is one training step."""
+    """The model, its inputs and the device; ``step(model)`` is one training step's forward and backward, and
+    ``optimizer`` (set by :func:`main`) steps the parameters after it."""
 
     model: nn.Module
     inputs: dict[str, Any]
     device: torch.device
+    optimizer: torch.optim.Optimizer | None = None
 
     def step(self, model: nn.Module | None = None, context: Callable[[], Any] = contextlib.nullcontext) -> None:
         with context():
@@ -203,7 +218,7 @@ def _planned(model: nn.Module, plan: remat.Plan) -> Iterator[None]:
 
 
 def _timed(device: torch.device, fn: Callable[[], None]) -> float:
-    """Seconds ``fn()`` takes on the device: CUDA events on a GPU, perf_counter on the CPU (host = device)."""
+    """Seconds ``fn()`` takes on the device: CUDA events on a GPU, the CPU's clock on the CPU (host = device)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -211,9 +226,7 @@ def _timed(device: torch.device, fn: Callable[[], None]) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    began = time.perf_counter()
-    fn()
-    return time.perf_counter() - began
+    return Clock(device).time(fn)[1]
 
 
 def _measured(device: torch.device, fn: Callable[[], None]) -> tuple[float, int | None]:
@@ -380,25 +393,17 @@ def select(patterns: list[str] | None, compile_rows: bool) -> list[str]:
 # ------------------------------------------------------------------------------------------ running a phase
 
 
-@dataclass
-class Row:
-    key: str
-    label: str
-    seconds: dict[int, float] = field(default_factory=dict)  # by timed round
-    peak: int | None = None
-    failure: str | None = None
-    predicted_peak: int | None = None  # above parameters and buffers
-    predicted_extra: float | None = None
-    predicted_step: float | None = None
-
-
 def _attempt(work: Workload, mode: Mode) -> tuple[float, int | None] | str:
-    """One timed step of ``mode``: (seconds, peak), or why it failed (the model is left as it was)."""
+    """One timed step of ``mode``, then the optimizer's untimed step: (seconds, peak), or why it failed (the
+    model is left as it was)."""
     work.model.zero_grad(set_to_none=True)
     failure = None
     try:
         with mode.installed():
-            return _measured(work.device, mode.step)
+            measured = _measured(work.device, mode.step)
+        if work.optimizer is not None:
+            work.optimizer.step()
+        return measured
     except OOM_ERRORS:
         failure = "OOM"
     except Exception as error:  # a row that fails is reported; the rest of the table still runs
@@ -455,69 +460,10 @@ def _profile_plans(work: Workload, fractions: list[float], repeats: int,
             plans[fraction] = prof.plan(fraction)
             print(f"\nplan {fraction:.0%}:\n{plans[fraction]}")
         except remat.InfeasibleBudget as error:
-            plans[fraction] = f"refused: the smallest plan peaks at {_mib(error.smallest - error.param_bytes)} MiB"
+            plans[fraction] = f"refused: the smallest plan peaks at {mib(error.smallest - error.param_bytes)} MiB"
     del prof
     work.free()
     return plans
-
-
-# ------------------------------------------------------------------------------------------------- reporting
-
-
-def summarize(rows: dict[str, Row], plain: Row) -> list[dict[str, Any]]:
-    """Per row: median ms, median per-round ratio to plain, peak, its ratio to plain's, predictions."""
-    out = []
-    for row in rows.values():
-        entry = asdict(row)
-        timed = [(s, plain.seconds[r]) for r, s in row.seconds.items() if r in plain.seconds]
-        if row.failure is None and timed:
-            entry["median_ms"] = statistics.median(s for s, _ in timed) * 1e3
-            entry["ratio"] = statistics.median(s / p for s, p in timed)
-            entry["extra_ms"] = statistics.median(s - p for s, p in timed) * 1e3
-            entry["plain_ms"] = statistics.median(p for _, p in timed) * 1e3
-        if row.peak is not None and plain.peak:
-            entry["peak_ratio"] = row.peak / plain.peak
-        out.append(entry)
-    return out
-
-
-def _mib(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "—"
-    mib = nbytes / 2**20
-    return f"{mib:.0f}" if mib >= 100 else f"{mib:.2f}"
-
-
-def format_table(entries: list[dict[str, Any]]) -> str:
-    lines = ["| mode | step ms | × plain | peak MiB | × plain's peak |", "|---|---|---|---|---|"]
-    for e in entries:
-        if "median_ms" not in e:
-            lines.append(f"| {e['label']} | {e['failure'] or '—'} | | | |")
-            continue
-        ratio = f"{e['peak_ratio']:.2f}" if "peak_ratio" in e else "—"
-        lines.append(f"| {e['label']} | {e['median_ms']:.1f} | {e['ratio']:.3f} | {_mib(e['peak'])} | {ratio} |")
-    return "\n".join(lines)
-
-
-def format_plans(entries: list[dict[str, Any]]) -> str:
-    lines = ["| plan | predicted peak MiB | measured | error | predicted extra ms | measured extra ms | error |",
-             "|---|---|---|---|---|---|---|"]
-    for e in entries:
-        if e["predicted_peak"] is None:
-            continue
-        pred_peak, peak = e["predicted_peak"], e["peak"]
-        peak_error = f"{pred_peak / peak - 1:+.1%}" if peak else "—"
-        pred_ms = e["predicted_extra"] * 1e3
-        pred = f"{pred_ms:+.1f} ({e['predicted_extra'] / e['predicted_step']:+.0%})" if e["predicted_step"] else \
-            f"{pred_ms:+.1f}"
-        if "extra_ms" in e:
-            measured = f"{e['extra_ms']:+.1f} ({e['extra_ms'] / e['plain_ms']:+.0%})"
-            time_error = f"{pred_ms / e['extra_ms'] - 1:+.0%}" if e["extra_ms"] else "—"
-        else:
-            measured, time_error = e["failure"] or "—", "—"
-        lines.append(f"| {e['label']} | {_mib(pred_peak)} | {_mib(peak)} | {peak_error} | {pred} | {measured} | "
-                     f"{time_error} |")
-    return "\n".join(lines)
 
 
 def header(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -529,27 +475,11 @@ def header(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
         "remat": remat.__version__,
         "model": {k: getattr(args, k) for k in FULL} | {"dtype": str(args.dtype).removeprefix("torch."),
                                                       "parameters": sum(p.numel() for p in work.model.parameters())},
-        "rounds": args.rounds, "warmup": args.warmup,
+        "rounds": args.rounds, "warmup": args.warmup, "optimizer": args.optimizer,
     }
     if device.type == "cuda":
         info["bandwidth"] = copy_bandwidths(device, args.copy_mib << 20)
     return info
-
-
-def _print_header(info: dict[str, Any]) -> None:
-    m = info["model"]
-    print(f"device: {info['device']}; torch {info['torch']}, transformers {info['transformers']}, "
-          f"CUDA {info['cuda'] or 'none'}, remat {info['remat']}")
-    print(f"LlamaForCausalLM: hidden {m['hidden']}, {m['layers']} layers, {m['heads']} heads, intermediate "
-          f"{m['intermediate']}, vocab {m['vocab']} ({m['parameters'] / 1e6:.1f} M parameters), {m['dtype']}, SDPA; "
-          f"batch {m['batch']} x seq {m['seq']}; {info['rounds']} interleaved rounds after {info['warmup']} warm-up")
-    if "bandwidth" in info:
-        bw = info["bandwidth"]
-        print(f"pinned copies: {bw['D2H'] / 1e9:.1f} GB/s device->host, {bw['H2D'] / 1e9:.1f} GB/s host->device; "
-              f"device copy {bw['D2D'] / 1e12:.2f} TB/s (bytes copied per second)")
-    else:
-        print("pinned copies: not measured (no accelerator); time from perf_counter, peaks from the profiler's "
-              "allocation events")
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -569,6 +499,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         f"modes: {' '.join(EAGER_KEYS + COMPILED_KEYS)}")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="the torch.compile rows (default: on CUDA only)")
+    add_optimizer_argument(parser)
     parser.add_argument("--profile-repeats", type=int, default=5, help="remat.profile's repeats")
     parser.add_argument("--copy-mib", type=int, default=512, help="bytes per bandwidth copy, MiB")
     parser.add_argument("--json", default="gpu_results.json", help="where to write the results")
@@ -592,18 +523,6 @@ def _set_recompile_limit(limit: int) -> None:
     setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
 
 
-def _report(entries: list[dict[str, Any]], info: dict[str, Any], path: str | None) -> None:
-    """Print the rows' table (and the plans' predictions, if any); save them to ``path`` as JSON."""
-    print(format_table(entries))
-    if any(e["predicted_peak"] is not None for e in entries):
-        print("\nremat's plans, predicted vs measured (peak above the step's start; extra time over plain):")
-        print(format_plans(entries))
-    sys.stdout.flush()
-    if path is not None:
-        with open(path, "w") as f:
-            json.dump({**info, "rows": entries}, f, indent=2, default=str)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
@@ -617,11 +536,15 @@ def main(argv: list[str] | None = None) -> int:
     keys = select(args.modes, compile_rows)
     work = build(args, device)
     info = header(work, args)
-    _print_header(info)
+    print_header(info)
     sys.stdout.flush()
 
     fractions = [f for f in PLAN_FRACTIONS if {_plan_key(f), f"compiled-{_plan_key(f)}"} & set(keys)]
     plans = _profile_plans(work, fractions, args.profile_repeats, args.save_profile) if fractions else {}
+    work.optimizer = make_optimizer(args.optimizer, work.model.parameters())
+    work.step()  # the optimizer's state exists from the first measured step on, as in a training loop
+    work.optimizer.step()
+    work.free()
     eager = [m for m in eager_modes(work, plans) if m.key in keys]
     rows = run_phase(work, eager, args.rounds, args.warmup, "eager")
     for fraction, plan in plans.items():
@@ -633,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     work.free()
     # The eager table is printed (and saved) before the compiled phase starts: compiling every mode takes
     # minutes, and a run cut short there still leaves the eager rows.
-    _report(entries, info, args.json)
+    report(entries, info, args.json)
 
     builders = [b for key, b in compiled_modes(work, plans).items() if key in keys] if compile_rows else []
     if builders:
@@ -644,10 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         del modes, builders, compiled_rows
         work.free()
         print("\ncompiled (each row's ratio is to plain eager, run in the same rounds):")
-        _report(compiled, info, None)
+        report(compiled, info, None)
         entries += compiled
-        with open(args.json, "w") as f:
-            json.dump({**info, "rows": entries}, f, indent=2, default=str)
+        save(entries, info, args.json)
     failed = [e["label"] for e in entries if (e["failure"] or "").startswith("failed")]
     if failed:
         print(f"\nfailed rows (tracebacks above): {'; '.join(failed)}", file=sys.stderr)

@@ -3,6 +3,7 @@
 No timing is asserted; the benchmark's numbers are taken by hand on a GPU.
 """
 
+import contextlib
 import importlib.util
 import json
 import pathlib
@@ -27,9 +28,20 @@ def gpu_benchmark():
     del sys.modules[spec.name]
 
 
-def test_cpu_run_prints_every_row_and_the_plan_predictions(gpu_benchmark, tmp_path, capsys):
+def test_cpu_run_prints_every_row_and_the_plan_predictions(gpu_benchmark, tmp_path, capsys, monkeypatch):
     out = tmp_path / "results.json"
+    weights = []  # a parameter as each step found it
+    step = gpu_benchmark.Workload.step
+
+    def watched(self, model=None, context=contextlib.nullcontext):
+        weights.append(next(self.model.parameters()).detach().clone())
+        step(self, model, context)
+
+    monkeypatch.setattr(gpu_benchmark.Workload, "step", watched)
     assert gpu_benchmark.main([*SMALLEST, "--modes", "remat-ckpt", "plan-50", "--json", str(out)]) == 0
+    # the step that creates the optimizer's state, then one timed step per mode: each follows an optimizer step
+    trained = weights[:4]
+    assert all(not torch.equal(before, after) for before, after in zip(trained, trained[1:]))
     table = capsys.readouterr().out
     for label in ("| plain |", "| remat checkpoint, every layer |", "| remat plan 50% ("):
         assert label in table
