@@ -12,6 +12,7 @@ compared with the predicted extra and reported (timing is noisy: a warning, neve
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import statistics
 import warnings
@@ -24,6 +25,7 @@ from torch import nn
 
 from .kvcache import cache_off_in_training
 from .memory import measure_step
+from .optimizers import OPTIMIZERS, make_optimizer
 from .plan import Plan
 from .profile import default_loss
 from .timing import Clock, device_of
@@ -36,13 +38,6 @@ PEAK_TOLERANCE = 0.03
 
 TIME_TOLERANCE = 0.2
 """How far (a fraction of the predicted extra time) the measured extra time may be before a warning."""
-
-OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
-}
-"""The optimizers :func:`check_plan` knows by name."""
-
 
 @dataclass(frozen=True)
 class StepCheck:
@@ -208,8 +203,9 @@ def check_plan(
     itself is left as it was), from identical weights, on ``model(*inputs, **input_kwargs)`` at every step,
     with the same dropout draws (``torch.manual_seed(seed + step)``).  ``plan``: a :class:`Plan` or the path
     of one saved by :meth:`Plan.save`; it is checked against the model first (ValueError if it was made for
-    another).  ``optimizer``: ``"adamw"`` (lr 1e-3), ``"sgd"`` (lr 1e-2, momentum 0.9) or a function from the
-    parameters to an optimizer.  ``loss_fn(output)`` is the loss, as in :func:`remat.profile` (default: the
+    another).  ``optimizer``: a name from :data:`~remat.planning.optimizers.OPTIMIZERS` (``"adamw"``: lr 1e-3,
+    foreach; ``"sgd"``: lr 1e-2, momentum 0.9; ``"adamw-fused"``) or a function from the parameters to an
+    optimizer.  ``loss_fn(output)`` is the loss, as in :func:`remat.profile` (default: the
     output's ``.loss``, or the sum of its floating tensors).  ``on_step`` is called with each step's row.
 
     Peaks count what :func:`remat.measure_step` counts (everything the forward and backward allocate above
@@ -270,7 +266,7 @@ def _optimizer(optimizer: str | Callable[[list[nn.Parameter]], torch.optim.Optim
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"remat.check_plan: optimizer must be one of {', '.join(OPTIMIZERS)} or a function of the "
                          f"parameters, got {optimizer!r}.")
-    return OPTIMIZERS[optimizer]
+    return functools.partial(make_optimizer, optimizer)
 
 
 def _notes(result: PlanCheck) -> list[str]:

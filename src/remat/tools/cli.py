@@ -533,8 +533,7 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     _add_model_arguments(check)
     check.add_argument("--plan", required=True, metavar="PLAN.JSON", help="a plan written by remat plan -o")
     check.add_argument("--steps", type=_steps, default=4, help="training steps (default 4)")
-    check.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
-                       help="the optimizer stepping between steps (default adamw, lr 1e-3; sgd: lr 1e-2, momentum 0.9)")
+    add_optimizer_argument(check)
     check.set_defaults(run=_check_cmd)
 
     show = command("show", "print a plan saved by `remat plan -o`",
