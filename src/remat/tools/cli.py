@@ -124,6 +124,9 @@ def _load(spec: str, what: str) -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise UserError(f"{what} must look like package.module:function, got {spec!r}")
     sys.path.insert(0, ".")  # let people name a module in the working directory
+    # The import system caches what a folder held when last read: a module written since (a generated model
+    # file, a test's) would otherwise be missed within the same second.
+    importlib.invalidate_caches()
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
