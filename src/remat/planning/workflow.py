@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..api.modules import ActivationWrapper
-from .discovery import resolve_blocks
+from ..api.sequential import checkpointed_runs
+from .discovery import chain_links, resolve_blocks
 from .kvcache import cache_off
 from .metadata import MetaData, NeedsRealData
 from .options import DEFAULT_ALLOW
@@ -109,8 +110,10 @@ def profile(
         raise ValueError(f"remat.profile: repeats must be at least 1, got {repeats}.")
     blocks = resolve_blocks(model, modules)
     names = [name for name, _ in blocks]
+    links = chain_links(model, names)
     on_meta = MetaData() if device == "meta" else None
-    with cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext():
+    with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
+          _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
                                throughput, repeats)
@@ -122,6 +125,8 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
+    # a segment's container must run its children itself: one its parent iterates never runs its forward
+    measured.links = [link and name.rpartition(".")[0] in ran for name, link in zip(names, links)]
     result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)},
                      model_meta=describe_model(model, names))
     if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
@@ -130,6 +135,19 @@ def profile(
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
     return result
+
+
+@contextlib.contextmanager
+def _forwards_run(model: nn.Module, containers: set[str]) -> Iterator[set[str]]:
+    """The names among ``containers`` whose own forward ran inside the ``with`` block."""
+    ran: set[str] = set()
+    named = dict(model.named_modules())
+    handles = [named[name].register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for name in containers]
+    try:
+        yield ran
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
@@ -187,7 +205,7 @@ def plan(
         >>> p.apply(model)
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
-    if any(isinstance(m, ActivationWrapper) for m in model.modules()):
+    if any(isinstance(m, ActivationWrapper) or checkpointed_runs(m) for m in model.modules()):
         raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
                          "(plan.remove(model)) so the profile sees the step without checkpointing.")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
