@@ -217,7 +217,7 @@ def test_cnn_with_batch_norm_plans_with_bitwise_gradients_and_statistics():
     assert_bitwise(grads, plain_grads)
     assert_bitwise(list(planned.buffers()), list(trained.buffers()))  # running statistics updated once
     predicted = plan.predicted_peak - plan.param_bytes
-    assert measured <= 1.03 * predicted and measured < plain_bytes, (plan.segments, predicted, measured)
+    assert abs(measured - predicted) <= 0.03 * measured and measured < plain_bytes, (plan.segments, predicted, measured)
 
 
 def test_unet_plans_without_error():
@@ -371,8 +371,10 @@ def test_the_command_line_plans_a_sequential_and_names_modules_as_it_spells_them
     assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_every_option_pattern_of_a_chain_predicts_what_memtracker_measures():
-    model, x, prof = _profiled("mlp")
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_every_option_pattern_of_a_chain_predicts_what_memtracker_measures(name):
+    """Random segments, checkpoints and keeps; the CNN's ReLU outputs are shared (the next conv saves them too)."""
+    model, x, prof = _profiled(name)
     options = chain_options(prof, ("checkpoint",))
     rng = random.Random(0)
     for _ in range(6):

@@ -91,7 +91,8 @@ class SharedTensor:
 
     ``saved_by``: blocks that save it for backward; ``input_of``: blocks that take it as an input (a
     recomputing block keeps its inputs until its backward); ``outside``: also saved by code outside the
-    blocks; ``alive``: per segment, whether it outlives that segment in the step without checkpointing.
+    blocks; ``alive``: per segment, whether it outlives that segment in the step without checkpointing;
+    ``output_of``: blocks that returned it (their caller holds it after their forward).
     """
 
     nbytes: int
@@ -99,6 +100,7 @@ class SharedTensor:
     input_of: list[int]
     outside: bool
     alive: list[bool]
+    output_of: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -306,7 +308,9 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
             own[j] += record.nbytes if saving else 0
             held[j] += record.nbytes if j in record.inputs else 0
         else:
-            shared.append(SharedTensor(record.nbytes, saving, sorted(record.inputs), None in record.savers, alive))
+            returned = [j for j in range(n) if record in probe.outputs[j]]
+            shared.append(SharedTensor(record.nbytes, saving, sorted(record.inputs), None in record.savers, alive,
+                                       returned))
     forward_peak = probe.forward_start.copy()
     for label, peak, _, _ in timeline.segments:
         head, _, number = label.rpartition(" ")

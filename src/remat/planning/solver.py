@@ -104,6 +104,7 @@ class _Accounting:
         self.n = n
         self.own = [row.own_bytes for row in prof.rows]
         self.shared = prof.shared
+        self._inner: dict[tuple[int, int], tuple[int, int]] = {}
         holders = [set(s.saved_by) | set(s.input_of) for s in prof.shared]
         self.saves = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.saved_by) for j in range(n)]
         self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
@@ -157,9 +158,6 @@ class _Accounting:
             varying.append((1 << k, s.nbytes))
         return const, varying
 
-    def holds(self, q: int, option: BlockOption) -> int:
-        """The shared storages block q holds after its forward under ``option``."""
-        return self.takes[q] if option.recomputes else self.saves[q]
 
     @staticmethod
     def value(check: tuple[int, int, list[tuple[int, int]]], freed: int, mask: int) -> int:
@@ -167,8 +165,39 @@ class _Accounting:
         return base - freed + const + sum(nbytes for bit, nbytes in varying if mask & bit)
 
     def freed_by(self, p: int, option: BlockOption) -> int:
-        """Own bytes of the blocks ``option`` decides (from block p) that it frees for every later stretch."""
-        return sum(self.own[p:p + option.span]) - option.kept
+        """Bytes the blocks ``option`` decides (from block p) free for every later stretch: their own, and a
+        segment's inner shared storages (:meth:`inner`)."""
+        inner = self.inner(p, p + option.span - 1)[1] if option.span > 1 else 0
+        return sum(self.own[p:p + option.span]) - option.kept + inner
+
+    def holds(self, q: int, option: BlockOption) -> int:
+        """The shared storages block q holds after its forward under ``option``; for a segment, with the bits of
+        its inner storages set, whose bytes :meth:`freed_by` counts freed instead."""
+        if option.span > 1:
+            return self.takes[q] | self.inner(q, q + option.span - 1)[0]
+        return self.takes[q] if option.recomputes else self.saves[q]
+
+    def inner(self, first: int, last: int) -> tuple[int, int]:
+        """The shared storages that live and die inside a segment ``first..last`` (bits, bytes).
+
+        Made inside the region and held only by its blocks (saved by one at least, not its input, not its
+        output, nothing outside the blocks saving it), such a storage is gone once the region's forward ends.
+        In a forward stretch a shared storage is otherwise counted wherever the step without a plan had it
+        alive (its caller may hold it); here nothing but the ``nn.Sequential``'s own loop ran.  Its bit is set
+        and its bytes counted freed: the backward stretches, which count a storage whose bit is set, then net
+        it out, and the forward stretches, which count it where it was alive, lose it.
+        """
+        key = (first, last)
+        if key not in self._inner:
+            bits = nbytes = 0
+            for k, s in enumerate(self.shared):
+                holders = set(s.saved_by) | set(s.input_of)
+                if (s.saved_by and not s.outside and min(holders) >= first and max(holders) <= last
+                        and first not in s.input_of and last not in s.output_of):
+                    bits |= 1 << k
+                    nbytes += s.nbytes
+            self._inner[key] = (bits, nbytes)
+        return self._inner[key]
 
     def option_peak(self, p: int, option: BlockOption, mask: int) -> int:
         """The highest live bytes of the stretches ``option`` of block p decides, with nothing freed before
