@@ -105,6 +105,8 @@ class _Accounting:
         self.own = [row.own_bytes for row in prof.rows]
         self.shared = prof.shared
         self._inner: dict[tuple[int, int], tuple[int, int]] = {}
+        self._peaks: dict[tuple[int, int, int], int] = {}  # option_peak by (block, id(option), mask)
+        self._runs: dict[tuple[int, int, int], tuple[list[int], int, int]] = {}  # see _run_peaks
         holders = [set(s.saved_by) | set(s.input_of) for s in prof.shared]
         self.saves = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.saved_by) for j in range(n)]
         self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
@@ -202,22 +204,41 @@ class _Accounting:
     def option_peak(self, p: int, option: BlockOption, mask: int) -> int:
         """The highest live bytes of the stretches ``option`` of block p decides, with nothing freed before
         block p (each is lower by what is): block p's backward, and for a segment every stretch inside it."""
-        if option.span == 1:
-            return self.own_peak(p, option, self.own[p], 0, mask)
+        key = (p, id(option), mask)
+        if key not in self._peaks:  # asked again for every state's mask and every budget of a bisection
+            self._peaks[key] = (self.own_peak(p, option, self.own[p], 0, mask) if option.span == 1
+                                else self._segment_peak(p, option, mask))
+        return self._peaks[key]
+
+    def _segment_peak(self, p: int, option: BlockOption, mask: int) -> int:
         last = p + option.span - 1
         held = mask | self.takes[p]
+        inner = sum(self.own[p:last + 1]) - option.kept  # own bytes the run frees, its inputs aside
+        start = self.value(self.restart[last], inner, held)
+        return max(self._run_peaks(p, option.kept, mask, option.span)[option.span - 1], start + option.transient)
+
+    def _run_peaks(self, p: int, kept: int, mask: int, length: int) -> list[int]:
+        """Per run length from block p (1, 2, ... at least ``length``): the highest of the run's inner forward
+        stretches and of its blocks' backwards, for a region keeping ``kept`` bytes.  Every segment from p
+        extends one pass, so a longer one costs only the blocks it adds."""
+        key = (p, kept, mask)
+        peaks, inner, saved = self._runs.get(key, ([], 0, 0))
+        if len(peaks) >= length:
+            return peaks
+        held = mask | self.takes[p]
         # inputs the region keeps that its first block does not save live on through the run's backward
-        unsaved_inputs = max(0, option.kept - self.own[p])
-        peak, inner, saved = -(2**62), 0, 0
-        for q in range(p, last + 1):
+        unsaved_inputs = max(0, kept - self.own[p])
+        peak = peaks[-1] if peaks else -(2**62)
+        for q in range(p + len(peaks), p + length):
             if q > p:
                 for check in self.checks[q]:  # inside the run's forward: the blocks before q hold only its inputs
                     peak = max(peak, self.value(check, inner, held))
             saved |= self.saves[q]
             peak = max(peak, self.value(self.backward[q], -unsaved_inputs, held | saved))
-            inner += self.own[q] - (option.kept if q == p else 0)
-        start = self.value(self.restart[last], inner, held)
-        return max(peak, start + option.transient)
+            inner += self.own[q] - (kept if q == p else 0)
+            peaks.append(peak)
+        self._runs[key] = (peaks, inner, saved)
+        return peaks
 
     def own_peak(self, q: int, option: BlockOption, own_bytes: int, freed: int, mask: int) -> int:
         """The peak of block q's backward under ``option`` (its recomputation included)."""
@@ -300,8 +321,8 @@ def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
         p += option.span
 
 
-def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
-           ) -> list[tuple[int, int]] | None:
+def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
+           accounting: _Accounting | None = None) -> list[tuple[int, int]] | None:
     """Exact DP over the chain; (block, option index) for the first block of every run of blocks the chosen
     options decide (one block each, or a segment's span), or None if nothing fits.
 
@@ -309,7 +330,7 @@ def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], wit
     shared storages still held, the states no other state beats on both time and own bytes freed are kept;
     ties are broken by the order the options are listed, so equal costs give equal plans.
     """
-    accounting = _Accounting(prof)
+    accounting = accounting or _Accounting(prof)
     n = accounting.n
     cap = _caps(prof, budget, options, accounting)
     # arrivals[p]: mask -> [(time, -freed, trail)] of the states whose decisions end before block p
@@ -336,11 +357,13 @@ def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], wit
                 need = accounting.option_peak(p, option, mask) - budget
                 cost = option.extra_time if with_cost else 0.0
                 delta, limit = accounting.freed_by(p, option), cap[end]
-                # the front frees more the later a state comes: the states that pass are a tail of it
+                # the front frees more the later a state comes: the states that pass are a tail of it, and of
+                # those that free the cap or more, only the first (cheapest) is not beaten by another
                 first = bisect.bisect_left(front, need, key=_freed)
+                stop = bisect.bisect_left(front, limit - delta, lo=first, key=_freed) + 1
                 arrivals[end].setdefault(new_mask, []).extend(
                     (time_spent + cost, -min(delta - neg_freed, limit), (p, index, trail))
-                    for time_spent, neg_freed, trail in front[first:]
+                    for time_spent, neg_freed, trail in front[first:stop]
                 )
     finals = [state for front in fronts.values() for state in front]
     if not finals:
@@ -417,9 +440,10 @@ def _caps(prof: StepProfile, budget: int, options: list[list[BlockOption]], acco
 def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     """The lowest peak any plan reaches (a bisection on the budget; feasibility ignores time)."""
     low, high = 0, prof.peak_bytes
+    accounting = _Accounting(prof)
     while low < high:
         middle = (low + high) // 2
-        if _cheapest(prof, middle, options, with_cost=False) is not None:
+        if _cheapest(prof, middle, options, with_cost=False, accounting=accounting) is not None:
             high = middle
         else:
             low = middle + 1
@@ -488,8 +512,8 @@ def plan_from_profile(
     return result
 
 
-def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
-              ) -> list[tuple[int, BlockOption]] | None:
+def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
+              accounting: _Accounting | None = None) -> list[tuple[int, BlockOption]] | None:
     """The cheapest options that fit ``budget``, each with the block its run starts at, or None.
 
     The offload hooks' window is one for the whole step (the largest ``in_flight`` among the chosen options),
@@ -500,7 +524,7 @@ def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], 
     found = []
     for window in windows:
         candidates = [[o for o in choices if o.in_flight <= window] for choices in options]
-        indices = _solve(prof, budget - window, candidates, with_cost)
+        indices = _solve(prof, budget - window, candidates, with_cost, accounting)
         if indices is not None:
             found.append([(p, candidates[p][i]) for p, i in indices])
     return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
