@@ -7,7 +7,8 @@ blocks ``i..j`` that are consecutive children of one plain ``nn.Sequential`` (``
 as one region, as ``checkpoint_sequential`` does with equal runs:
 
 * it keeps block ``i``'s inputs (``kept = rows[i].held_bytes``, plus the shared storages block ``i`` takes)
-  and frees every own byte of ``i..j`` in every later stretch of the step;
+  and frees every own byte of ``i..j`` in every later stretch of the step, and the shared storages made and
+  held only inside it (a ReLU's output the next convolution saves too; the solver counts those);
 * its backward starts with block ``j``'s and reruns ``i..j`` there: the transient is what the plain forward
   held above its live bytes when ``i`` started, up to ``j``'s last saved tensor (early stop ends the rerun
   there); then blocks ``j..i`` run their backward over their recomputed tensors as without a plan;
@@ -20,8 +21,9 @@ The solver (:mod:`remat.planning.solver`) takes a segment as one option of its f
 ``checkpoint_sequential`` amounts to, so plans can be compared with it on the same cost model.
 
 Example:
-    >>> [(o.span, o.kept) for o in segment_options(prof)[0]][:2]
-    [(2, 131072), (3, 131072)]
+    >>> prof = remat.profile(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)), x)
+    >>> [(o.name, o.span) for o in segment_options(prof)[0]]
+    [('segment', 2), ('segment', 3)]
 """
 
 from __future__ import annotations
@@ -71,14 +73,15 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
 
     Example:
         >>> [o.span for o in segment_options(prof)[0]]
-        [2, 3, 4]
+        [2, 3]
     """
     rows, links = prof.rows, prof.links
+    priced = [row.checkpoint_time != float("inf") for row in rows]
     found: dict[int, list[BlockOption]] = {}
     for first in range(len(rows)):
         last = first
-        while (last + 1 < len(rows) and last < len(links) and links[last] and last + 2 - first <= max_span
-               and all(row.checkpoint_time != float("inf") for row in (rows[first], rows[last + 1]))):
+        while (priced[first] and last + 1 < len(rows) and last < len(links) and links[last] and priced[last + 1]
+               and last + 2 - first <= max_span):
             last += 1
             found.setdefault(first, []).append(BlockOption(
                 "segment", kept=rows[first].held_bytes, extra_time=segment_time(prof, first, last),
@@ -101,24 +104,22 @@ def chain_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     return options
 
 
-def sequential_choice(prof: StepProfile, options: list[list[BlockOption]], segments: int,
-                      first: int = 0, count: int | None = None) -> list[BlockOption]:
-    """The options ``checkpoint_sequential(blocks[first:first + count], segments, x)`` amounts to: runs of
-    ``count // segments`` blocks checkpointed, all but the last run, which runs plainly.
+def sequential_choice(prof: StepProfile, options: list[list[BlockOption]], segments: int) -> list[BlockOption]:
+    """The options ``checkpoint_sequential(blocks, segments, x)`` amounts to, for a profile whose blocks are one
+    ``nn.Sequential``'s children: runs of ``len(blocks) // segments`` blocks checkpointed, all but the last
+    run, which runs plainly.
 
-    ``options`` are the blocks' options (:func:`chain_options`); the result has one
-    option per run (``keep`` for each block left plain and outside ``first..first + count``), for
-    :func:`remat.planning.solver.predict`.
+    ``options`` are the blocks' options (:func:`chain_options`); the result has one option per run (``keep``
+    for each block left plain), for :func:`remat.planning.solver.predict`.
 
     Example:
         >>> peak, extra = predict(prof, sequential_choice(prof, chain_options(prof), 4))
     """
     n = len(prof.rows)
-    count = n - first if count is None else count
-    if not 1 <= segments <= count:
-        raise ValueError(f"remat.planning.chain: segments must be between 1 and {count}, got {segments}.")
-    size = count // segments
-    starts = {first + size * k for k in range(segments - 1)}
+    if not 1 <= segments <= n:
+        raise ValueError(f"remat.planning.chain: segments must be between 1 and {n}, got {segments}.")
+    size = n // segments
+    starts = {size * k for k in range(segments - 1)}
     chosen, p = [], 0
     while p < n:
         wanted = size if p in starts else 1
