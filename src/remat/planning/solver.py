@@ -160,7 +160,6 @@ class _Accounting:
             varying.append((1 << k, s.nbytes))
         return const, varying
 
-
     @staticmethod
     def value(check: tuple[int, int, list[tuple[int, int]]], freed: int, mask: int) -> int:
         base, const, varying = check
@@ -430,7 +429,7 @@ def _caps(prof: StepProfile, budget: int, options: list[list[BlockOption]], acco
     for p in range(n - 1, -1, -1):
         own = prof.rows[p].own_bytes
         need = max([bound(c) for c in accounting.checks[p]] + [bound(accounting.backward[p])])
-        # a segment's later blocks free at least nothing, so its states need no more than block p's options
+        # what the stretches a recomputing option decides (a segment's inner ones too) need freed before block p
         need = max([need] + [accounting.option_peak(p, o, every) - budget for o in options[p] if o.recomputes])
         give_back = max(0, max(o.kept - own for o in options[p]))
         cap[p] = max(need, cap[p + 1] + give_back, 0)
