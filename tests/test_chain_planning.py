@@ -220,6 +220,27 @@ def test_cnn_with_batch_norm_plans_with_bitwise_gradients_and_statistics():
     assert abs(measured - predicted) <= 0.03 * measured and measured < plain_bytes, (plan.segments, predicted, measured)
 
 
+def test_a_cnn_plan_trains_as_plain_autograd_step_after_step():
+    """Optimizer steps and an eval forward between training steps: weights and batch-norm statistics stay
+    bitwise those of the plain model, and every step's peak stays the predicted one."""
+    model, x, prof = _profiled("cnn")
+    plan = prof.plan(0.7)
+    plain, planned = copy.deepcopy(model), plan.apply(copy.deepcopy(model))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, planned)]
+    for _ in range(3):
+        for m, optimizer in zip((plain, planned), optimizers):
+            peak = remat.measure_step(lambda m=m: _loss(m(x)).backward(), m).peak_above_params
+            if m is planned:
+                assert abs(peak - (plan.predicted_peak - plan.param_bytes)) <= 0.03 * peak
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            m.eval()
+            with torch.no_grad():
+                m(x)
+            m.train()
+        assert_bitwise(list(planned.state_dict().values()), list(plain.state_dict().values()))
+
+
 def test_unet_plans_without_error():
     model, x, prof = _profiled("unet")
     plan = prof.plan(0.65)
