@@ -159,11 +159,10 @@ def chain_units(model: nn.Module) -> Named:
 def _opened(prefix: str, module: nn.Module) -> Named:
     units: Named = []
     for name, child in module.named_children():
-        qualified = _join(prefix, name)
-        if _is_plain(child) and next(child.children(), None) is not None:
-            units.extend(_opened(qualified, child))
-        elif not isinstance(child, nn.ModuleList):  # an empty ModuleList never runs
-            units.append((qualified, child))
+        if _is_plain(child):  # an empty one does nothing (a ModuleList never runs itself)
+            units.extend(_opened(_join(prefix, name), child))
+        else:
+            units.append((_join(prefix, name), child))
     return units
 
 
