@@ -250,6 +250,24 @@ def test_unet_plans_without_error():
     assert measured <= 1.03 * (plan.predicted_peak - plan.param_bytes)
 
 
+def test_layers_that_return_their_input_never_end_a_segment():
+    """nn.Identity returns its input: the profile sees no backward of its own, so no run's rerun is checked there;
+    an empty nn.Sequential is no unit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Identity(), nn.Linear(256, 64), nn.GELU(), nn.Sequential(),
+                          nn.Linear(64, 256), nn.Identity(), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(512, 64)
+    prof = remat.profile(model, x, loss_fn=_loss, repeats=1)
+    assert [row.name for row in prof.rows] == ["0", "1", "2", "3", "4", "6", "7", "8", "9"]
+    runs = [(first, first + o.span - 1) for first, options in segment_options(prof).items() for o in options]
+    assert runs and not {last for _, last in runs} & {2, 6}
+    assert not [run for run in runs if run[0] <= 4 < run[1]]  # "4" and "6" are not neighbours in the container
+    plan = prof.plan(0.7)
+    measured, grads = _step(plan.apply(copy.deepcopy(model)), x)
+    assert plan.segments and measured == plan.predicted_peak - plan.param_bytes
+    assert_bitwise(grads, _step(model, x)[1])
+
+
 class _Bottleneck(nn.Module):
     """A residual block whose input (1024 wide) is most of what it saves: alone, checkpointing it frees little."""
 
