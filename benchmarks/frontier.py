@@ -126,7 +126,7 @@ def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, 
     return variants, notes, plans
 
 
-_LETTERS = {"keep": "K", "checkpoint": "C", "save_matmuls": "M", "selective": "S", "offload": "O"}
+_LETTERS = {"keep": "K", "checkpoint": "C", "save_matmuls": "M", "selective": "S", "offload": "O", "segment": "G"}
 
 
 def interleaved_times(work: Workload, variants: dict[str, nn.Module], repeats: int, warmup: int,

@@ -17,6 +17,11 @@ head in the same container (MobileNet).  Discovery:
    ``experts`` run side by side.  A module made only of torch's own layers (conv, norm, activation: a
    ResNet "conv layer", MobileNet's inner convolutions) is a layer, not a block.
 
+A model with no repeated block (a ``Sequential`` stack of layers, a hand-written CNN, a U-Net) is planned as
+a *chain* (:func:`chain_units`): its children in order, plain containers among them opened, so that the
+planner can checkpoint runs of consecutive children of one ``nn.Sequential`` as one region
+(:func:`chain_links`).
+
 Example:
     >>> [name for name, _ in candidate_modules(remat.models.GPT())]
     ['blocks.0', 'blocks.1', 'blocks.2', 'blocks.3']
@@ -30,7 +35,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["candidate_modules", "resolve_blocks"]
+__all__ = ["NoBlocks", "candidate_modules", "chain_links", "chain_units", "resolve_blocks"]
 
 Named = list[tuple[str, nn.Module]]
 
@@ -137,19 +142,79 @@ def _chains(prefix: str, module: nn.Module) -> Named:
             if _is_plain(c) and not (isinstance(c, nn.ModuleList) and "expert" in n)]
 
 
+def chain_units(model: nn.Module) -> Named:
+    """The units of a model planned as a chain: its children in the order they were defined, with plain
+    containers (``nn.Sequential``, ``nn.ModuleList``) among them opened, recursively.
+
+    A run of consecutive children of one plain ``nn.Sequential`` can become one checkpointed region
+    (:func:`chain_links`); a child of a module with its own forward is decided about alone.  Empty for a
+    model without children (a single layer).
+
+    Example:
+        >>> [name for name, _ in chain_units(nn.Sequential(nn.Linear(4, 4), nn.GELU()))]
+        ['0', '1']
+    """
+    return _opened("", model)
+
+
+def _opened(prefix: str, module: nn.Module) -> Named:
+    units: Named = []
+    for name, child in module.named_children():
+        if _is_plain(child):  # an empty one does nothing (a ModuleList never runs itself)
+            units.extend(_opened(_join(prefix, name), child))
+        else:
+            units.append((_join(prefix, name), child))
+    return units
+
+
+def chain_links(model: nn.Module, names: Sequence[str]) -> list[bool]:
+    """Per pair of neighbouring ``names``: whether they are consecutive children of one plain
+    ``nn.Sequential``, whose own forward runs them one after the other, so one region may hold both.
+
+    Example:
+        >>> chain_links(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)), ["0", "1", "2"])
+        [True, True]
+    """
+    named = dict(model.named_modules())
+    links = []
+    for first, second in zip(names, names[1:]):
+        parent, _, a = first.rpartition(".")
+        other, _, b = second.rpartition(".")
+        container = named.get(parent)
+        ok = (parent == other and isinstance(container, nn.Sequential) and _is_plain(container))
+        if ok:
+            order = list(container._modules)
+            ok = a in order and b in order and order.index(b) == order.index(a) + 1
+        links.append(ok)
+    return links
+
+
+class NoBlocks(ValueError):
+    """A model with nothing to decide about: no repeated blocks and no children to plan as a chain.
+
+    ``who`` names the caller; the message tells to name the blocks with ``modules=[...]`` (the command line
+    says ``--modules``).
+    """
+
+    def __init__(self, who: str, model: nn.Module) -> None:
+        self.who = who
+        super().__init__(f"{who}: found no blocks to plan in {type(model).__name__}: no repeated blocks and no "
+                         "children to checkpoint; name the blocks with modules=[...].")
+
+
 def resolve_blocks(model: nn.Module, modules: Sequence[str] | None,
                    who: str = "remat.profile") -> list[tuple[str, nn.Module]]:
-    """The blocks named ``modules`` (disjoint), or by default the repeated ones (:func:`candidate_modules`);
-    a ValueError naming ``who`` where there are none, a name is missing or one block holds another.
+    """The blocks named ``modules`` (disjoint), or by default the repeated ones (:func:`candidate_modules`),
+    or where a model has none its chain of children (:func:`chain_units`); :class:`NoBlocks` where there is
+    nothing to plan, a ValueError naming ``who`` where a name is missing or one block holds another.
 
     Example:
         >>> resolve_blocks(remat.models.GPT(), ["blocks.0", "blocks.1"])
     """
     if modules is None:
-        blocks = candidate_modules(model)
+        blocks = candidate_modules(model) or chain_units(model)
         if not blocks:
-            raise ValueError(f"{who}: found no repeated blocks (children of a ModuleList/Sequential mostly of one "
-                             "class); name the blocks with modules=[...].")
+            raise NoBlocks(who, model)
         return blocks
     named = dict(model.named_modules())
     missing = [m for m in modules if m not in named]

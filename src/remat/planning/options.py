@@ -58,7 +58,9 @@ class BlockOption:
     (what a saved plan records); ``recomputed_ops``: how many ops its recomputation reruns, when known;
     ``copy_time``: the part of ``extra_time`` its offload copies leave unhidden.  ``in_flight``: bytes of the
     block the offload hooks' copies may hold on the device at once (the copy engine's window, plus one entry):
-    counted once in the step's peak, whichever blocks offload.
+    counted once in the step's peak, whichever blocks offload.  ``span``: how many consecutive blocks, from
+    this one, the option runs as one region (a ``segment``, :mod:`remat.planning.chain`); ``kept`` and
+    ``transient`` are then the region's.
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -75,6 +77,7 @@ class BlockOption:
     recomputed_ops: int | None = field(default=None, compare=False)
     copy_time: float = field(default=0.0, compare=False)  # of extra_time: offload copies left unhidden
     in_flight: int = field(default=0, compare=False)
+    span: int = 1
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that

@@ -4,6 +4,11 @@
 peak and extra time, and what was planned for.  ``apply`` wraps the planned modules in place,
 ``remove`` undoes it, ``save``/``load`` round-trip it through JSON.
 
+Blocks that a plan checkpoints together (a ``segment``: consecutive children of one ``nn.Sequential``, see
+:mod:`remat.planning.chain`) are listed in ``segments``; ``apply`` runs each as one region by giving their
+container a forward that checkpoints the run (:func:`remat.api.sequential.checkpoint_runs`), so the blocks
+stay where they are and ``state_dict`` keys do not change.
+
 A plan made from a profile knows its model (``meta``, see :func:`describe_model`): the model's class, and
 each planned block's class and parameter shapes.  ``apply`` checks the model against it before wrapping
 anything, and warns about blocks like the planned ones that the plan leaves out.
@@ -20,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
+from ..api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
 from ..policies.rules import save_matmuls
 from .blockpolicy import BlockPolicy
 from .inputs import unwatch, watch_first_forward
@@ -46,6 +52,8 @@ class Plan:
     decisions are in ``policies`` (``{"mode", "ops": [{"op", "call", "bytes", "decision"}, ...]}``, see
     :class:`~remat.planning.blockpolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
     ``meta`` records the model it was made for (:func:`describe_model`), checked by :meth:`apply`.
+    ``segments`` lists the runs of blocks checkpointed as one region each (their blocks' decision is
+    ``"segment"``; ``blocks`` holds a run's summary under its first block).
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -63,6 +71,7 @@ class Plan:
     meta: dict[str, Any] = field(default_factory=dict)
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
     blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    segments: list[list[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
@@ -88,6 +97,9 @@ class Plan:
         model's training-mode forwards then run with ``use_cache=False``, as transformers trains with gradient
         checkpointing (:func:`~remat.planning.kvcache.cache_off_in_training`; :meth:`remove` undoes it).
 
+        Segments are installed on their ``nn.Sequential`` (:func:`~remat.api.sequential.checkpoint_runs`): its
+        own forward is replaced by one that runs each segment as one region.
+
         Example:
             >>> plan.apply(model)
         """
@@ -96,11 +108,12 @@ class Plan:
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
         if self.meta.get("inputs"):
             watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
+        in_segments = {name for run in self.segments for name in run}
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)
             wrapped = isinstance(current, ActivationWrapper)
             inner = current._checkpoint_wrapped_module if wrapped else current
-            if decision == "keep":
+            if decision == "keep" or name in in_segments:  # a segment's blocks run plainly inside its region
                 setattr(parent, child, inner)
                 continue
             wrap, identity = self._installer(name, decision)
@@ -110,7 +123,24 @@ class Plan:
             wrapper = wrap(inner)
             wrapper._remat_decision = identity
             setattr(parent, child, wrapper)
+        for container_name, container in self._containers(model).items():
+            runs = [_positions(container, run) for run in self.segments if run[0].rpartition(".")[0] == container_name]
+            if checkpointed_runs(container) == runs:
+                continue
+            if runs:
+                checkpoint_runs(container, runs, container_name)
+            else:
+                remove_runs(container)
         return model
+
+    def _containers(self, model: nn.Module) -> dict[str, nn.Module]:
+        """The modules holding the planned blocks, by name: where segments are installed."""
+        found = {}
+        for name in self.decisions:
+            parent_name = name.rpartition(".")[0]
+            if parent_name not in found:
+                found[parent_name] = _unwrapped(_find(model, parent_name))
+        return {name: container for name, container in found.items() if container is not None}
 
     def check(self, model: nn.Module) -> None:
         """Raise ValueError if this plan was made for another model; warn about blocks it leaves out.
@@ -121,7 +151,7 @@ class Plan:
         if not isinstance(model, nn.Module):
             raise TypeError(f"remat.Plan.apply: expected the torch.nn.Module the plan was made for, got "
                             f"{type(model).__name__}; pass the model itself, e.g. plan.apply(model).")
-        problem = _mismatch(self, model)
+        problem = _mismatch(self, model) or next(filter(None, (_run_problem(model, run) for run in self.segments)), "")
         if problem:
             raise ValueError(f"remat.Plan.apply: {problem}; plan this model (remat.plan or `remat plan`), or apply "
                              "the plan to the model it was made for.")
@@ -143,6 +173,8 @@ class Plan:
             parent, child, current = _locate(model, name)
             if isinstance(current, ActivationWrapper):
                 setattr(parent, child, current._checkpoint_wrapped_module)
+        for container in self._containers(model).values():
+            remove_runs(container)
         restore_cache(model)
         unwatch(model)
         return model
@@ -183,21 +215,31 @@ class Plan:
 
     def __str__(self) -> str:
         counts: dict[str, int] = {}
-        for decision in self.decisions.values():
-            counts[decision] = counts.get(decision, 0) + 1
-        width = max([len(n) for n in self.decisions] + [6])
+        starts = {run[0]: run for run in self.segments}
+        inside = {name for run in self.segments for name in run[1:]}
+        for name, decision in self.decisions.items():
+            if name not in inside:
+                counts[decision] = counts.get(decision, 0) + 1
+        shown = {name: _run_name(starts[name]) if name in starts else name for name in self.decisions}
+        width = max([len(n) for n in shown.values()] + [6])
         lines = [f"{'module':<{width}}  {'decision':<12} {'kept':>10} {'extra ms':>9} {'ops rerun':>9}  keeps",
                  "-" * (width + 60)]
         for name, decision in self.decisions.items():
+            if name in inside:
+                continue  # on its segment's row
             block = self.blocks.get(name, {})
             kept = format_bytes(block["kept"]) if "kept" in block else ""
             extra = f"{block['extra_time'] * 1e3:.1f}" if "extra_time" in block else ""
             rerun = str(block.get("recomputed_ops", ""))
             moved = (f"; offloads {format_bytes(block['offloaded'])}, copies "
                      f"+{block['copy_time'] * 1e3:.1f} ms unhidden" if block.get("offloaded") else "")
-            lines.append(f"{name:<{width}}  {decision:<12} {kept:>10} {extra:>9} {rerun:>9}  "
-                         f"{_kept_ops(self.policies.get(name))}{moved}".rstrip())
-        summary = ", ".join(f"{count} {option}" for option, count in counts.items() if count)
+            run = f"{len(starts[name])} blocks as one region" if name in starts else ""
+            lines.append(f"{shown[name]:<{width}}  {decision:<12} {kept:>10} {extra:>9} {rerun:>9}  "
+                         f"{run}{_kept_ops(self.policies.get(name))}{moved}".rstrip())
+        summary = ", ".join(f"{count} {option}" + ("s" if option == "segment" and count > 1 else "")
+                            for option, count in counts.items() if count)
+        if self.segments:
+            summary += f" ({sum(len(run) for run in self.segments)} blocks in segments)"
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(
@@ -212,7 +254,7 @@ class Plan:
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "decisions": dict, "predicted_peak": int, "predicted_extra_time": (int, float), "budget": int,
     "baseline_peak": int, "param_bytes": int, "step_time": (int, float), "meta": dict, "policies": dict,
-    "blocks": dict,
+    "blocks": dict, "segments": list,
 }
 
 
@@ -232,16 +274,49 @@ def _malformed(data: Any) -> str:
     for name, value in data.items():
         expected = _FIELD_TYPES[name]
         if not isinstance(value, expected) or isinstance(value, bool):
-            wanted = "an object" if expected is dict else "an integer" if expected is int else "a number"
+            wanted = {dict: "an object", int: "an integer", list: "an array"}.get(expected, "a number")
             return f"field {name!r} is {json.dumps(value)[:20]}, not {wanted}"
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["decisions"].items()):
         return "'decisions' must map module names to options"
+    if not all(isinstance(run, list) and run and all(isinstance(name, str) for name in run)
+               for run in data.get("segments", [])):
+        return "'segments' must list runs of module names"
     return ""
 
 
 def _not_a_plan(path: str, reason: str) -> str:
     return (f"remat.Plan.load: {path} is not a remat plan ({reason}); make one with `remat plan ... -o {path}` "
             "or Profile.plan(...).save(path).")
+
+
+def _run_name(run: list[str]) -> str:
+    """A segment as its first block and the last one's own name: ``features.0..5``."""
+    return f"{run[0]}..{run[-1].rpartition('.')[2]}"
+
+
+def _positions(container: nn.Module, run: list[str]) -> tuple[int, int]:
+    """The ``(start, stop)`` positions of a run of ``container``'s children."""
+    order = list(container._modules)
+    return order.index(run[0].rpartition(".")[2]), order.index(run[-1].rpartition(".")[2]) + 1
+
+
+def _run_problem(model: nn.Module, run: list[str]) -> str:
+    """Why ``run`` cannot be one region of ``model`` ('' if it can): its blocks must be consecutive children
+    of one ``nn.Sequential`` that chains them with its own forward."""
+    parent_name = run[0].rpartition(".")[0]
+    container = _unwrapped(_find(model, parent_name))
+    where = parent_name or "the model"
+    if not isinstance(container, nn.Sequential) or type(container).forward is not nn.Sequential.forward:
+        kind = type(container).__name__ if container is not None else "missing"
+        return f"the plan's segment {_run_name(run)} needs {where} to be an nn.Sequential here (it is {kind})"
+    order = list(container._modules)
+    children = [name.rpartition(".")[2] for name in run]
+    if any(name.rpartition(".")[0] != parent_name for name in run) or any(c not in order for c in children):
+        return f"the plan's segment {_run_name(run)} is not a run of children of {where} here"
+    first = order.index(children[0])
+    if order[first:first + len(children)] != children:
+        return f"the plan's segment {_run_name(run)} is not a run of consecutive children of {where} here"
+    return ""
 
 
 def _kept_ops(policy: dict[str, Any] | None, shown: int = 4) -> str:

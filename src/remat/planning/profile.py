@@ -51,6 +51,13 @@ class ModuleProfile:
     ``held_bytes`` are inputs only this block takes that recomputing it keeps alive until its backward.
     ``recompute_bytes`` is the peak its recomputation adds above the live bytes at the start of its
     backward.  ``checkpoint_time`` / ``save_matmuls_time`` are the extra step time of each option.
+
+    For regions of several consecutive blocks (:mod:`remat.planning.chain`): ``forward_start``,
+    ``forward_peak`` and ``save_peak`` are the step's live bytes when the block's forward starts, at its
+    forward's peak and at that peak when it saved its last tensor (absolute, so that a run of blocks reads
+    its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
+    costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
+    block inside a region reruns them for the next one).
     """
 
     name: str
@@ -66,6 +73,11 @@ class ModuleProfile:
     recompute_bytes: int
     checkpoint_time: float
     save_matmuls_time: float
+    forward_start: int = 0
+    forward_peak: int = 0
+    save_peak: int = 0
+    region_time: float = 0.0
+    tail_time: float = 0.0
 
     @property
     def recompute_time(self) -> float:
@@ -79,7 +91,8 @@ class SharedTensor:
 
     ``saved_by``: blocks that save it for backward; ``input_of``: blocks that take it as an input (a
     recomputing block keeps its inputs until its backward); ``outside``: also saved by code outside the
-    blocks; ``alive``: per segment, whether it outlives that segment in the step without checkpointing.
+    blocks; ``alive``: per segment, whether it outlives that segment in the step without checkpointing;
+    ``output_of``: blocks that returned it (their caller holds it after their forward).
     """
 
     nbytes: int
@@ -87,6 +100,7 @@ class SharedTensor:
     input_of: list[int]
     outside: bool
     alive: list[bool]
+    output_of: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +119,9 @@ class StepProfile:
     notes: list[str] = field(default_factory=list)
     shared: list[SharedTensor] = field(default_factory=list)
     ops: OpProfile | None = field(default=None, repr=False)
+    # links[i]: blocks i and i + 1 are consecutive children of one plain nn.Sequential, which a plan may
+    # checkpoint as one region (see remat.planning.chain)
+    links: list[bool] = field(default_factory=list)
 
     @property
     def peak_above_params(self) -> int:
@@ -214,6 +231,7 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
     timeline, probe, meter, grad_bytes = traced
     n = len(blocks)
     forward_time, matmul_time, checkpoint_time, selective_time = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    region_time, tail_time = [0.0] * n, [0.0] * n
     for i, (name, _) in enumerate(blocks):
         graph = ops.blocks.get(name)
         if graph is None:  # the block did not run: nothing to recompute
@@ -221,11 +239,17 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
         prices = BlockPrices(graph)
         forward_time[i], matmul_time[i] = graph.forward_time, prices.matmul_time
         checkpoint_time[i] = prices.time("checkpoint")
+        # On an accelerator a rerun is priced as the larger of its kernels and its host work: one region less
+        # in a run of blocks may spare nothing there, so only the CPU's price counts it out.
+        region_time[i] = 0.0 if graph.asynchronous else graph.overheads.region
+        tail_time[i] = sum(node.wall_time for node in graph.nodes[graph.stop:])
         # A matmul output modified after the block's forward cannot be kept: save_matmuls fails on it.
         selective_time[i] = float("inf") if meter.mutated_later[i] else prices.time("selective",
                                                                                    prices.matmul_nodes())
     prof = _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, matmul_time,
                      checkpoint_time, selective_time, step_time, str(params[0].device) if params else "cpu")
+    for row, region, tail in zip(prof.rows, region_time, tail_time):
+        row.region_time, row.tail_time = region, tail
     prof.ops = ops
     return prof
 
@@ -293,7 +317,14 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
             own[j] += record.nbytes if saving else 0
             held[j] += record.nbytes if j in record.inputs else 0
         else:
-            shared.append(SharedTensor(record.nbytes, saving, sorted(record.inputs), None in record.savers, alive))
+            returned = [j for j in range(n) if record in probe.outputs[j]]
+            shared.append(SharedTensor(record.nbytes, saving, sorted(record.inputs), None in record.savers, alive,
+                                       returned))
+    forward_peak = probe.forward_start.copy()
+    for label, peak, _, _ in timeline.segments:
+        head, _, number = label.rpartition(" ")
+        if head == "forward":
+            forward_peak[int(number)] = max(forward_peak[int(number)], peak)
     rows = []
     for i, (name, module) in enumerate(blocks):
         matmul = meter.outputs[i]
@@ -303,6 +334,7 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
             matmul_bytes=sum(r.nbytes for r in matmul), own_bytes=own[i], held_bytes=held[i],
             recompute_bytes=probe.last_save_peak[i] - probe.forward_start[i],
             checkpoint_time=checkpoint_time[i], save_matmuls_time=selective_time[i],
+            forward_start=probe.forward_start[i], forward_peak=forward_peak[i], save_peak=probe.last_save_peak[i],
         ))
     params = list(model.parameters())
     return StepProfile(

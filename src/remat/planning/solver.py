@@ -16,6 +16,9 @@ option             kept own bytes                               extra time
                                                                 on the scale of its measured checkpoint
 ``offload``        its own inputs, + up to the copy engine's    copy time (accelerators only)
                    window (brought back early in backward)
+``segment``        the first block's inputs, for a run of       each block's checkpoint price, less the
+                   consecutive blocks run as one region         region machinery they share, plus the ops
+                   (:mod:`remat.planning.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
@@ -26,6 +29,11 @@ recomputation: the live bytes at its start, without the block's freed bytes, plu
 plan's peak is the largest segment.  Every constraint is on a prefix of the chain, so a dynamic program
 over the blocks keeping the Pareto front of (own bytes freed so far, time spent so far) for each set of
 shared storages still held finds the exact optimum of this model.
+
+A ``segment`` option of block ``i`` with ``span`` ``s`` decides blocks ``i..i+s-1`` at once: the DP moves
+from block ``i`` to block ``i+s``, checking on the way every stretch the run decides — the forward stretches
+inside it (the run holds only its inputs there), each inner block's backward (its recomputed tensors alive
+as without a plan) and the run's recomputation on top of the live bytes when the last block's backward starts.
 """
 
 from __future__ import annotations
@@ -35,12 +43,13 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from .options import DEFAULT_ALLOW, BlockOption, block_options
+from .chain import chain_options
+from .options import DEFAULT_ALLOW, BlockOption
 from .plan import Plan
 from .profile import StepProfile
 from .units import Budget, format_bytes, parse_budget
 
-__all__ = ["InfeasibleBudget", "plan_from_profile", "predict_peak"]
+__all__ = ["InfeasibleBudget", "plan_from_profile", "predict", "predict_peak"]
 
 
 class InfeasibleBudget(ValueError):
@@ -52,7 +61,7 @@ class InfeasibleBudget(ValueError):
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
-                 requested: object = None) -> None:
+                 requested: object = None, nothing_frees: bool = False) -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
         asked = ""
         if isinstance(requested, float):
@@ -71,9 +80,14 @@ class InfeasibleBudget(ValueError):
             share = f", {above / unplanned_above:.0%} of the unplanned peak" if unplanned_above else ""
             return f"{format_bytes(above)} above parameters{share} ({whole} whole step)"
 
+        advice = "Raise the budget to at least that, or reduce the batch / sequence length."
+        if nothing_frees:  # every option of these blocks keeps what it would free: larger blocks may not
+            advice = ("No option of these blocks frees memory (a block checkpointed alone keeps its inputs, all "
+                      "that a single layer saves); name larger blocks with modules=[...], or reduce the batch / "
+                      "sequence length.")
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
-            f"{both(smallest)}. Raise the budget to at least that, or reduce the batch / sequence length."
+            f"{both(smallest)}. {advice}"
         )
 
 
@@ -88,7 +102,11 @@ class _Accounting:
     def __init__(self, prof: StepProfile) -> None:
         n = len(prof.rows)
         self.n = n
+        self.own = [row.own_bytes for row in prof.rows]
         self.shared = prof.shared
+        self._inner: dict[tuple[int, int], tuple[int, int]] = {}
+        self._peaks: dict[tuple[int, int, int], int] = {}  # option_peak by (block, id(option), mask)
+        self._runs: dict[tuple[int, int, int], tuple[list[int], int, int]] = {}  # see _run_peaks
         holders = [set(s.saved_by) | set(s.input_of) for s in prof.shared]
         self.saves = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.saved_by) for j in range(n)]
         self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
@@ -142,14 +160,84 @@ class _Accounting:
             varying.append((1 << k, s.nbytes))
         return const, varying
 
-    def holds(self, q: int, option: BlockOption) -> int:
-        """The shared storages block q holds after its forward under ``option``."""
-        return self.takes[q] if option.recomputes else self.saves[q]
-
     @staticmethod
     def value(check: tuple[int, int, list[tuple[int, int]]], freed: int, mask: int) -> int:
         base, const, varying = check
         return base - freed + const + sum(nbytes for bit, nbytes in varying if mask & bit)
+
+    def freed_by(self, p: int, option: BlockOption) -> int:
+        """Bytes the blocks ``option`` decides (from block p) free for every later stretch: their own, and a
+        segment's inner shared storages (:meth:`inner`)."""
+        inner = self.inner(p, p + option.span - 1)[1] if option.span > 1 else 0
+        return sum(self.own[p:p + option.span]) - option.kept + inner
+
+    def holds(self, q: int, option: BlockOption) -> int:
+        """The shared storages block q holds after its forward under ``option``; for a segment, with the bits of
+        its inner storages set, whose bytes :meth:`freed_by` counts freed instead."""
+        if option.span > 1:
+            return self.takes[q] | self.inner(q, q + option.span - 1)[0]
+        return self.takes[q] if option.recomputes else self.saves[q]
+
+    def inner(self, first: int, last: int) -> tuple[int, int]:
+        """The shared storages that live and die inside a segment ``first..last`` (bits, bytes).
+
+        Made inside the region and held only by its blocks (saved by one at least, not its input, not its
+        output, nothing outside the blocks saving it), such a storage is gone once the region's forward ends.
+        In a forward stretch a shared storage is otherwise counted wherever the step without a plan had it
+        alive (its caller may hold it); here nothing but the ``nn.Sequential``'s own loop ran.  Its bit is set
+        and its bytes counted freed: the backward stretches, which count a storage whose bit is set, then net
+        it out, and the forward stretches, which count it where it was alive, lose it.
+        """
+        key = (first, last)
+        if key not in self._inner:
+            bits = nbytes = 0
+            for k, s in enumerate(self.shared):
+                holders = set(s.saved_by) | set(s.input_of)
+                if (s.saved_by and not s.outside and min(holders) >= first and max(holders) <= last
+                        and first not in s.input_of and last not in s.output_of):
+                    bits |= 1 << k
+                    nbytes += s.nbytes
+            self._inner[key] = (bits, nbytes)
+        return self._inner[key]
+
+    def option_peak(self, p: int, option: BlockOption, mask: int) -> int:
+        """The highest live bytes of the stretches ``option`` of block p decides, with nothing freed before
+        block p (each is lower by what is): block p's backward, and for a segment every stretch inside it."""
+        key = (p, id(option), mask)
+        if key not in self._peaks:  # asked again for every state's mask and every budget of a bisection
+            self._peaks[key] = (self.own_peak(p, option, self.own[p], 0, mask) if option.span == 1
+                                else self._segment_peak(p, option, mask))
+        return self._peaks[key]
+
+    def _segment_peak(self, p: int, option: BlockOption, mask: int) -> int:
+        last = p + option.span - 1
+        held = mask | self.takes[p]
+        inner = sum(self.own[p:last + 1]) - option.kept  # own bytes the run frees, its inputs aside
+        start = self.value(self.restart[last], inner, held)
+        return max(self._run_peaks(p, option.kept, mask, option.span)[option.span - 1], start + option.transient)
+
+    def _run_peaks(self, p: int, kept: int, mask: int, length: int) -> list[int]:
+        """Per run length from block p (1, 2, ... at least ``length``): the highest of the run's inner forward
+        stretches and of its blocks' backwards, for a region keeping ``kept`` bytes.  Every segment from p
+        extends one pass, so a longer one costs only the blocks it adds."""
+        key = (p, kept, mask)
+        peaks, inner, saved = self._runs.get(key, ([], 0, 0))
+        if len(peaks) >= length:
+            return peaks
+        held = mask | self.takes[p]
+        # inputs the region keeps that its first block does not save live on through the run's backward
+        unsaved_inputs = max(0, kept - self.own[p])
+        peak = peaks[-1] if peaks else -(2**62)
+        for q in range(p + len(peaks), p + length):
+            if q > p:
+                for check in self.checks[q]:  # inside the run's forward: the blocks before q hold only its inputs
+                    peak = max(peak, self.value(check, inner, held))
+            saved |= self.saves[q]
+            peak = max(peak, self.value(self.backward[q], -unsaved_inputs, held | saved))
+            inner += self.own[q] - (kept if q == p else 0)
+            peaks.append(peak)
+        self._runs[key] = (peaks, inner, saved)
+        return peaks
 
     def own_peak(self, q: int, option: BlockOption, own_bytes: int, freed: int, mask: int) -> int:
         """The peak of block q's backward under ``option`` (its recomputation included)."""
@@ -163,7 +251,7 @@ class _Accounting:
 def _resolve_options(prof: StepProfile, allow: Sequence[str], options: list[list[BlockOption]] | None
                      ) -> list[list[BlockOption]]:
     if options is None:
-        return block_options(prof, allow)
+        return chain_options(prof, allow)
     if len(options) != len(prof.rows) or any(not o or o[0].name != "keep" for o in options):
         raise ValueError("remat.plan: options must hold one list per profiled block, each starting with 'keep'.")
     return options
@@ -174,7 +262,8 @@ def predict_peak(prof: StepProfile, decisions: Sequence[str], allow: Sequence[st
     """The cost model's whole-step peak for one decision (an option name) per block, in profile order.
 
     A name several options share (``selective``) means the first of them; :meth:`Plan.predicted_peak` of a
-    plan is computed from the options it chose.
+    plan is computed from the options it chose.  Segments (runs of blocks, :mod:`remat.planning.chain`) are
+    not named here: :func:`predict` takes the options themselves.
 
     Example:
         >>> predict_peak(prof, ["keep"] * len(prof.rows)) == prof.peak_bytes
@@ -183,12 +272,26 @@ def predict_peak(prof: StepProfile, decisions: Sequence[str], allow: Sequence[st
     options = _resolve_options(prof, allow, options)
     chosen = []
     for row, choices, name in zip(prof.rows, options, decisions):
-        match = [o for o in choices if o.name == name]
+        match = [o for o in choices if o.name == name and o.span == 1]
         if not match:
             raise ValueError(f"remat.plan: {name!r} is not an option of {row.name}; it has "
-                             f"{sorted({o.name for o in choices})}.")
+                             f"{sorted({o.name for o in choices if o.span == 1})}.")
         chosen.append(match[0])
     return _peak(prof, chosen)
+
+
+def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, float]:
+    """The cost model's whole-step peak and extra seconds of ``chosen``: one option per run of blocks, in
+    profile order, whose spans cover every block once (a block left alone takes ``keep``).
+
+    Example:
+        >>> from remat.planning.chain import chain_options, sequential_choice
+        >>> peak, extra = predict(prof, sequential_choice(prof, chain_options(prof), segments=4))
+    """
+    if sum(o.span for o in chosen) != len(prof.rows):
+        raise ValueError(f"remat.plan: the options cover {sum(o.span for o in chosen)} blocks; the profile has "
+                         f"{len(prof.rows)}.")
+    return _peak(prof, chosen), sum(o.extra_time for o in chosen)
 
 
 def _in_flight(chosen: Sequence[BlockOption]) -> int:
@@ -201,32 +304,40 @@ def _peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
 
 
 def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
+    """The peak of one option per run of blocks (``chosen`` in order, spans covering the chain)."""
     accounting = _Accounting(prof)
-    peak, freed, mask = 0, 0, 0
-    for p in range(accounting.n + 1):
+    peak, freed, mask, p = 0, 0, 0, 0
+    steps = iter(chosen)
+    while True:
         for check in accounting.checks[p]:
             peak = max(peak, accounting.value(check, freed, mask))
         if p == accounting.n:
-            break
-        option, own_bytes = chosen[p], prof.rows[p].own_bytes
-        peak = max(peak, accounting.own_peak(p, option, own_bytes, freed, mask))
-        freed += own_bytes - option.kept
+            return peak
+        option = next(steps)
+        peak = max(peak, accounting.option_peak(p, option, mask) - freed)
+        freed += accounting.freed_by(p, option)
         mask |= accounting.holds(p, option)
-    return peak
+        p += option.span
 
 
-def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
-           ) -> list[int] | None:
-    """Exact DP over the chain; the index of each block's option, or None if nothing fits.
+def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
+           accounting: _Accounting | None = None) -> list[tuple[int, int]] | None:
+    """Exact DP over the chain; (block, option index) for the first block of every run of blocks the chosen
+    options decide (one block each, or a segment's span), or None if nothing fits.
 
-    For each mask of shared storages still held, the states no other state beats on both time and own
-    bytes freed; ties are broken by the order the options are listed, so equal costs give equal plans.
+    States arrive at block p from the options of earlier blocks whose runs end before it.  For each mask of
+    shared storages still held, the states no other state beats on both time and own bytes freed are kept;
+    ties are broken by the order the options are listed, so equal costs give equal plans.
     """
-    accounting = _Accounting(prof)
+    accounting = accounting or _Accounting(prof)
     n = accounting.n
     cap = _caps(prof, budget, options, accounting)
-    fronts: dict[int, list[tuple[float, int, Any]]] = {0: [(0.0, 0, None)]}  # mask -> [(time, -freed, trail)]
+    # arrivals[p]: mask -> [(time, -freed, trail)] of the states whose decisions end before block p
+    arrivals: list[dict[int, list[tuple[float, int, Any]]]] = [{} for _ in range(n + 1)]
+    arrivals[0][0] = [(0.0, 0, None)]
     for p in range(n + 1):
+        fronts = {mask: _pareto(bucket) for mask, bucket in _merge_masks(arrivals[p]).items()}
+        arrivals[p] = {}
         # every check is linear in the bytes freed so far: each needs a least amount, per mask
         checks = accounting.checks[p]
         survivors: dict[int, list[tuple[float, int, Any]]] = {}
@@ -238,38 +349,41 @@ def _solve(prof: StepProfile, budget: int, options: list[list[BlockOption]], wit
         if p == n:
             fronts = survivors
             break
-        row = prof.rows[p]
-        candidates: dict[int, list[tuple[float, int, Any]]] = {}
         for mask, front in survivors.items():
             for index, option in enumerate(options[p]):
-                new_mask = (mask | accounting.holds(p, option)) & accounting.keep_bits[p]
-                need = accounting.own_peak(p, option, row.own_bytes, 0, mask) - budget
+                end = p + option.span
+                new_mask = (mask | accounting.holds(p, option)) & accounting.keep_bits[end - 1]
+                need = accounting.option_peak(p, option, mask) - budget
                 cost = option.extra_time if with_cost else 0.0
-                delta, limit = row.own_bytes - option.kept, cap[p + 1]
-                # the front frees more the later a state comes: the states that pass are a tail of it
+                delta, limit = accounting.freed_by(p, option), cap[end]
+                # the front frees more the later a state comes: the states that pass are a tail of it, and of
+                # those that free the cap or more, only the first (cheapest) is not beaten by another
                 first = bisect.bisect_left(front, need, key=_freed)
-                candidates.setdefault(new_mask, []).extend(
-                    (time_spent + cost, -min(delta - neg_freed, limit), (index, trail))
-                    for time_spent, neg_freed, trail in front[first:]
+                stop = bisect.bisect_left(front, limit - delta, lo=first, key=_freed) + 1
+                arrivals[end].setdefault(new_mask, []).extend(
+                    (time_spent + cost, -min(delta - neg_freed, limit), (p, index, trail))
+                    for time_spent, neg_freed, trail in front[first:stop]
                 )
-        fronts = {}
-        for mask, bucket in _merge_masks(candidates).items():
-            bucket.sort(key=_time_then_freed)  # stable: ties keep the order states and options are listed
-            front, best = [], None
-            for time_spent, neg_freed, trail in bucket:
-                if best is None or neg_freed < best:
-                    front.append((time_spent, neg_freed, trail))
-                    best = neg_freed
-            fronts[mask] = front
     finals = [state for front in fronts.values() for state in front]
     if not finals:
         return None
     trail = min(finals, key=lambda s: (s[0], s[1]))[2]
     decisions = []
     while trail is not None:
-        decisions.append(trail[0])
-        trail = trail[1]
+        decisions.append(trail[:2])
+        trail = trail[2]
     return decisions[::-1]
+
+
+def _pareto(bucket: list[tuple[float, int, Any]]) -> list[tuple[float, int, Any]]:
+    """The states no other beats on both time and bytes freed, by time (and bytes freed, increasing)."""
+    bucket.sort(key=_time_then_freed)  # stable: ties keep the order states and options are listed
+    front, best = [], None
+    for time_spent, neg_freed, trail in bucket:
+        if best is None or neg_freed < best:
+            front.append((time_spent, neg_freed, trail))
+            best = neg_freed
+    return front
 
 
 _MAX_MASKS = 8
@@ -309,14 +423,14 @@ def _caps(prof: StepProfile, budget: int, options: list[list[BlockOption]], acco
         return base + const + sum(nbytes for _, nbytes in varying) - budget
 
     n = accounting.n
+    every = (1 << len(accounting.shared)) - 1  # every shared storage held: the most any check can read
     cap = [0] * (n + 1)
     cap[n] = max((bound(c) for c in accounting.checks[n]), default=0)
     for p in range(n - 1, -1, -1):
         own = prof.rows[p].own_bytes
         need = max([bound(c) for c in accounting.checks[p]] + [bound(accounting.backward[p])])
-        recomputing = [o for o in options[p] if o.recomputes]
-        if recomputing:
-            need = max(need, bound(accounting.restart[p]) + max(o.kept - own + o.transient for o in recomputing))
+        # what the stretches a recomputing option decides (a segment's inner ones too) need freed before block p
+        need = max([need] + [accounting.option_peak(p, o, every) - budget for o in options[p] if o.recomputes])
         give_back = max(0, max(o.kept - own for o in options[p]))
         cap[p] = max(need, cap[p + 1] + give_back, 0)
     return cap
@@ -325,9 +439,10 @@ def _caps(prof: StepProfile, budget: int, options: list[list[BlockOption]], acco
 def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     """The lowest peak any plan reaches (a bisection on the budget; feasibility ignores time)."""
     low, high = 0, prof.peak_bytes
+    accounting = _Accounting(prof)
     while low < high:
         middle = (low + high) // 2
-        if _cheapest(prof, middle, options, with_cost=False) is not None:
+        if _cheapest(prof, middle, options, with_cost=False, accounting=accounting) is not None:
             high = middle
         else:
             low = middle + 1
@@ -350,8 +465,8 @@ def plan_from_profile(
 ) -> Plan:
     """Solve the plan for an existing profile (see :func:`plan`); ``prof.plan(budget)`` is the same call.
 
-    ``options`` replaces the built-in options (:func:`block_options`) with your own, one list per block
-    starting with ``keep``.
+    ``options`` replaces the built-in options (:func:`~remat.planning.chain.chain_options`) with your own, one
+    list per block starting with ``keep`` (an option with ``span`` > 1 decides that many blocks from its own).
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)
@@ -360,28 +475,42 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    chosen = _cheapest(prof, budget_bytes, options)
-    if chosen is None:
-        raise InfeasibleBudget(budget_bytes, _smallest_peak(prof, options), prof.param_bytes + prof.buffer_bytes,
-                              prof.peak_above_params, requested)
+    placed = _cheapest(prof, budget_bytes, options)
+    if placed is None:
+        smallest = _smallest_peak(prof, options)
+        raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
+                              prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes)
+    chosen = [o for _, o in placed]
+    decisions, blocks, segments, policies, wrappers = {}, {}, [], {}, {}
+    for p, o in placed:
+        names = [row.name for row in prof.rows[p:p + o.span]]
+        decisions.update((name, o.name) for name in names)
+        blocks[names[0]] = _summary(prof.rows[p].own_bytes, o)  # a segment's row: its first block's
+        if o.span > 1:
+            segments.append(names)
+        if o.policy is not None:
+            policies[names[0]] = o.policy.to_dict()
+        if o.wrap is not None:
+            wrappers[names[0]] = o.wrap
     result = Plan(
-        decisions={row.name: o.name for row, o in zip(prof.rows, chosen)},
+        decisions=decisions,
         predicted_peak=_peak(prof, chosen),
         predicted_extra_time=sum(o.extra_time for o in chosen),
         budget=budget_bytes,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
         step_time=prof.step_time,
-        policies={row.name: o.policy.to_dict() for row, o in zip(prof.rows, chosen) if o.policy is not None},
-        blocks={row.name: _summary(row.own_bytes, o) for row, o in zip(prof.rows, chosen)},
+        policies=policies,
+        blocks=blocks,
+        segments=segments,
     )
-    result._wrappers = {row.name: o.wrap for row, o in zip(prof.rows, chosen) if o.wrap is not None}
+    result._wrappers = wrappers
     return result
 
 
-def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True
-              ) -> list[BlockOption] | None:
-    """The cheapest options that fit ``budget``, or None.
+def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
+              accounting: _Accounting | None = None) -> list[tuple[int, BlockOption]] | None:
+    """The cheapest options that fit ``budget``, each with the block its run starts at, or None.
 
     The offload hooks' window is one for the whole step (the largest ``in_flight`` among the chosen options),
     which the chain's sums cannot express: for each window an option may bring, the plans whose options bring
@@ -391,10 +520,10 @@ def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], 
     found = []
     for window in windows:
         candidates = [[o for o in choices if o.in_flight <= window] for choices in options]
-        indices = _solve(prof, budget - window, candidates, with_cost)
+        indices = _solve(prof, budget - window, candidates, with_cost, accounting)
         if indices is not None:
-            found.append([choices[i] for choices, i in zip(candidates, indices)])
-    return min(found, key=lambda chosen: sum(o.extra_time for o in chosen), default=None)
+            found.append([(p, candidates[p][i]) for p, i in indices])
+    return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
@@ -402,6 +531,8 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
     offloads and their copy time the compute does not hide."""
     summary: dict[str, Any] = {"kept": option.kept if option.name != "keep" else own_bytes,
                                "extra_time": option.extra_time}
+    if option.span > 1:
+        summary["span"] = option.span
     if option.recomputed_ops is not None:
         summary["recomputed_ops"] = option.recomputed_ops
     if option.policy is not None and option.policy.offloaded_bytes:

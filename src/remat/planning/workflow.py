@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..api.modules import ActivationWrapper
-from .discovery import resolve_blocks
+from ..api.sequential import checkpointed_runs
+from .discovery import chain_links, resolve_blocks
 from .inputs import describe_inputs
 from .kvcache import cache_off
 from .metadata import MetaData, NeedsRealData
@@ -115,9 +116,11 @@ def profile(
         raise ValueError(f"remat.profile: repeats must be at least 1, got {repeats}.")
     blocks = resolve_blocks(model, modules)
     names = [name for name, _ in blocks]
+    links = chain_links(model, names)
     on_meta = MetaData() if device == "meta" else None
     with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
-          measuring_afresh(fresh_timings)):
+          measuring_afresh(fresh_timings),
+          _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
                                throughput, repeats)
@@ -129,6 +132,8 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
+    # a segment's container must run its children itself: one its parent iterates never runs its forward
+    measured.links = [link and name.rpartition(".")[0] in ran for name, link in zip(names, links)]
     # The shapes travel with every plan from this profile: its predictions hold at them (Plan.apply checks).
     model_meta = {**describe_model(model, names), "inputs": describe_inputs(example_inputs, example_kwargs)}
     result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)}, model_meta=model_meta)
@@ -196,6 +201,17 @@ def _forward_parameters(model: nn.Module) -> list[str]:
         return list(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         return []
+@contextlib.contextmanager
+def _forwards_run(model: nn.Module, containers: set[str]) -> Iterator[set[str]]:
+    """The names among ``containers`` whose own forward ran inside the ``with`` block."""
+    ran: set[str] = set()
+    named = dict(model.named_modules())
+    handles = [named[name].register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for name in containers]
+    try:
+        yield ran
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
@@ -255,7 +271,7 @@ def plan(
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
-    if any(isinstance(m, ActivationWrapper) for m in model.modules()):
+    if any(isinstance(m, ActivationWrapper) or checkpointed_runs(m) for m in model.modules()):
         raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
                          "(plan.remove(model)) so the profile sees the step without checkpointing.")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,

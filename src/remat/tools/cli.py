@@ -225,10 +225,10 @@ def _running_the_model(args: argparse.Namespace) -> Iterator[None]:
         try:
             yield
         except ValueError as error:
-            raise UserError(_unprefixed(str(error))) from error
+            raise UserError(_in_command_terms(_unprefixed(str(error)))) from error
         except (RuntimeError, TypeError) as error:
             if str(error).startswith("remat."):  # remat's own check of the inputs, already in one line
-                raise UserError(_unprefixed(str(error))) from error
+                raise UserError(_in_command_terms(_unprefixed(str(error)))) from error
             first_line = str(error).strip().splitlines()[0]
             floats = "; --input-shape gives random floats: for token ids give --inputs" if args.input_shape else ""
             raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "
@@ -281,6 +281,12 @@ def _unprefixed(message: str) -> str:
     return re.sub(r"^remat\.[\w.]+(\([^)]*\))?: ", "", message)
 
 
+def _in_command_terms(message: str) -> str:
+    """A library message with its Python spelling of the blocks to plan (``modules=[...]``) as the command
+    line spells it."""
+    return message.replace("modules=[...]", "--modules NAME [NAME ...] (qualified module names)")
+
+
 def _profile_cmd(args: argparse.Namespace) -> int:
     prof = _profile_of(args)
     if args.json:
@@ -306,8 +312,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             plan = prof.plan(budget, allow=tuple(args.allow))
         except InfeasibleBudget as error:
             if len(args.budget) == 1:
-                raise UserError(str(error)) from error
-            print(f"refused: {error}")
+                raise UserError(_in_command_terms(str(error))) from error
+            print(f"refused: {_in_command_terms(str(error))}")
             continue
         made += 1
         print(plan)
@@ -455,7 +461,8 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, its inputs, and what to profile (``profile`` and ``plan``)."""
     _add_model_arguments(parser)
     parser.add_argument("--modules", nargs="+", metavar="NAME",
-                        help="candidate modules by qualified name (default: the repeated blocks)")
+                        help="candidate modules by qualified name (default: the repeated blocks, or where the model "
+                             "has none its children in order, planned as a chain of segments)")
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
     parser.add_argument("--fresh-timings", action="store_true",
                         help="measure op times again instead of reusing this machine's (REMAT_CACHE_DIR)")
@@ -512,7 +519,8 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
 
     plan = command("plan", "the cheapest checkpointing plan that fits a memory budget",
                    "Profile MODULE:FACTORY's model and print the plan (keep / checkpoint / save_matmuls / selective "
-                   "(chosen op outputs kept) / offload per block) with the least recomputation whose predicted peak "
+                   "(chosen op outputs kept) / offload per block, or a segment: consecutive layers of an "
+                   "nn.Sequential checkpointed as one region) with the least recomputation whose predicted peak "
                    f"fits --budget. {_LOSS}")
     _add_profile_arguments(plan)
     plan.add_argument("--budget", type=_budget, required=True, nargs="+",
