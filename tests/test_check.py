@@ -105,6 +105,23 @@ def test_a_plan_for_another_model_is_refused_before_training(case):
         remat.check_plan(model, plan, tokens, loss_fn=loss_fn, optimizer="lion")
 
 
+@pytest.mark.parametrize("budget", [0.8, 0.6])
+def test_a_stock_hf_llama_plan_holds_at_every_step(budget):
+    """A transformers Llama from its stock config (tiny sizes, random weights), labels as its loss."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=172, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="use_cache=True"):
+        plan = remat.plan(model, input_ids=ids, labels=ids, budget=budget, repeats=1)
+    assert set(plan.decisions.values()) != {"keep"}
+    result = remat.check_plan(model, plan, input_ids=ids, labels=ids, steps=3, optimizer="adamw")
+    assert result.holds, str(result)
+    assert all(abs(row.peak - result.predicted_peak) <= 0.03 * result.predicted_peak for row in result.rows)
+
+
 def test_differing_gradients_fail_the_verdict():
     rows = [StepCheck(1, 100, 200, 0.02, 0.01, True, 0.0), StepCheck(2, 100, 200, 0.02, 0.01, False, 2.5e-3)]
     result = PlanCheck(rows, predicted_peak=100, predicted_extra_time=0.01, profiled_peak=200, optimizer="sgd",
