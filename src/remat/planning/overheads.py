@@ -18,6 +18,8 @@ from ..api.checkpoint import checkpoint
 from .blockpolicy import BlockPolicy, OpDecision
 from .timing import Clock
 
+__all__ = ["Overheads", "measure_overheads"]
+
 
 @dataclass(frozen=True)
 class Overheads:

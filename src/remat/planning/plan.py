@@ -32,6 +32,8 @@ from .inputs import unwatch, watch_first_forward
 from .kvcache import cache_off_in_training, restore_cache
 from .units import format_bytes
 
+__all__ = ["Plan", "PlanFileError", "describe_model"]
+
 
 class PlanFileError(ValueError):
     """A file given to :meth:`Plan.load` is not a plan :meth:`Plan.save` wrote; the message says why, in one line.

@@ -22,6 +22,8 @@ from ..engine.replay import tensor_leaves
 from ..policies.rules import MATMUL_OPS
 from .opgraph import _op_info
 
+__all__ = ["Segment", "live_bytes_timeline"]
+
 
 @dataclass
 class Segment:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy as _TorchCheckpointPolicy
 
+__all__ = ["SAC_IGNORED_OPS", "CheckpointPolicy", "SelectiveCheckpointContext"]
+
 
 class CheckpointPolicy(enum.Enum):
     """What to do with one operator's output. ``MUST_*`` may not be overridden by other systems."""

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .decisions import _RANDOM_WRITE, _traits, _written_argument
 from .hostcopy import engine_for
 
+__all__: list[str] = []  # the selective engine's machinery, nothing public
+
 
 class _Kept:
     """A kept tensor: an alias of the op's output (or a copy of it), its device and version then.

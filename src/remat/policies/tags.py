@@ -14,6 +14,8 @@ from .decisions import _OFFLOAD, _RECOMPUTE, _VIEW_OR_INPLACE, _action, _traits
 from .kept import _keep
 from .selective import _active_store
 
+__all__ = ["tag"]
+
 
 def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Name ``tensor`` inside a checkpointed region so name-based policies can keep it.
