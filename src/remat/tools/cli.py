@@ -113,7 +113,7 @@ def _demo(args: argparse.Namespace) -> int:
         "step time is the median after the first step, the optimizer's step left out."
     )
     if args.plot:
-        plot(results, prof, args.plot)
+        plot(results, prof, args.plot, plan)
         console.print(f"plot written to {args.plot}")
     return 0
 

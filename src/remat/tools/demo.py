@@ -183,28 +183,43 @@ def _kept_by_block(prof: Profile, plan: Plan, decisions: list[str]) -> list[int]
     return kept
 
 
-def plot(results: list[ModeResult], prof: Profile, path: str) -> None:
-    """Write a PNG: memory kept by each block per mode, and the live-memory timeline of one step."""
+def plot(results: list[ModeResult], prof: Profile, path: str, plan: Plan | None = None) -> None:
+    """Write a PNG: memory kept by each block per mode, and the live-memory timeline of one step, with the
+    plan's budget as a line and its predicted peak as a marker (the last mode is the plan's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(13, 5.4))
     n = len(prof.rows)
     width = 0.8 / len(results)
+    colors = [f"C{k}" for k in range(len(results))]
     for k, result in enumerate(results):
         kept = [b / 2**20 for b in result.kept]
-        bars.bar([i + k * width for i in range(n)], kept, width, label=result.name)
-        lines.plot([b / 2**20 for b in result.timeline], label=result.name, linewidth=1.2)
+        bars.bar([i + k * width for i in range(n)], kept, width, color=colors[k], label=result.name)
+        lines.plot([b / 2**20 for b in result.timeline], color=colors[k], linewidth=1.2)
     bars.set_xticks([i + 0.4 - width / 2 for i in range(n)], [r.name for r in prof.rows], rotation=30)
     bars.set_ylabel("MiB kept through the step")
     bars.set_title("activation memory kept by each block")
-    bars.legend(fontsize=8)
     lines.set_xlabel("operator (forward, then backward)")
     lines.set_ylabel("live MiB (parameters, gradients, activations)")
     lines.set_title("memory timeline of one training step")
-    lines.legend(fontsize=8)
-    fig.tight_layout()
+    if plan is not None:
+        share = (plan.budget - plan.param_bytes) / max(plan.baseline_peak - plan.param_bytes, 1)
+        lines.axhline(plan.budget / 2**20, color="black", linestyle="--", linewidth=1,
+                      label=f"budget: {format_bytes(plan.budget)} ({share:.0%} of the unplanned peak above parameters)")
+        timeline = results[-1].timeline
+        at = max(range(len(timeline)), key=timeline.__getitem__) if timeline else 0
+        predicted = f"{results[-1].name}: predicted peak {format_bytes(plan.predicted_peak)}"
+        lines.plot([at], [plan.predicted_peak / 2**20], marker="v", markersize=9, linestyle="none", color=colors[-1],
+                   markeredgecolor="black", label=predicted)
+    # legends below the panels, where they cover no bar and no line
+    handles, labels = bars.get_legend_handles_labels()
+    more, more_labels = lines.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower left", bbox_to_anchor=(0.06, 0.0), ncol=2, fontsize=9, frameon=False)
+    if more:
+        fig.legend(more, more_labels, loc="lower right", bbox_to_anchor=(0.99, 0.0), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
