@@ -423,19 +423,19 @@ _EXAMPLES = {
   remat demo --layers 2 --steps 2 --seq-len 64 --plot /tmp/demo.png   # a quick look
 """,
     "profile": """examples:
-  remat profile mypkg.models:build_model --input-shape 8,128
-  remat profile mypkg.models:build_model --inputs mypkg.data:example_batch --json
-  remat profile mypkg.models:build_huge --inputs mypkg.data:example_batch --device meta
+  remat profile mypkg.models:build --input-shape 8,128
+  remat profile mypkg.models:build --inputs mypkg.data:batch --json
+  remat profile mypkg.models:build_huge --inputs mypkg.data:batch --device meta
 """,
     "plan": """examples:
-  remat plan mypkg.models:build_model --input-shape 8,128 --budget 50%
-  remat plan mypkg.models:build_model --inputs mypkg.data:example_batch --budget 8GiB -o plan.json
-  remat plan mypkg.models:build_model --inputs mypkg.data:example_batch --budget 30% 50% 70%   # one profile
+  remat plan mypkg.models:build --input-shape 8,128 --budget 50%
+  remat plan mypkg.models:build --inputs mypkg.data:batch --budget 8GiB -o plan.json
+  remat plan mypkg.models:build --inputs mypkg.data:batch --budget 30% 50% 70%   # one profile
   (--inputs may return a tuple of positional inputs or a dict of keyword inputs, e.g. input_ids and labels)
 """,
     "check": """examples:
-  remat check mypkg.models:build_model --plan plan.json --input-shape 8,128
-  remat check mypkg.models:build_model --plan plan.json --inputs mypkg.data:example_batch --steps 8 --optimizer sgd
+  remat check mypkg.models:build --plan plan.json --input-shape 8,128
+  remat check mypkg.models:build --plan plan.json --inputs mypkg.data:batch --steps 8 --optimizer sgd
   (exit status: 0 when the plan holds, 1 when it does not, 2 for a mistake in the command line)
 """,
     "show": """examples:
