@@ -235,7 +235,7 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
     costs more than the mode's own Python: composite ops take their out-of-place paths there (SDPA's math
     path adds its mask out of place, a fresh 8 MiB on the demo GPT's block), which a stopwatch, itself a
     dispatch mode, sees in every run alike (measured so, the demo GPT block's recording mode cost 18 µs per
-    op against 60-80 µs in whole runs).  The stopwatch slows what it watches (its own Python work between
+    op against 40-70 µs in whole runs).  The stopwatch slows what it watches (its own Python work between
     ops): on the CPU device and host times are scaled so they add up to the unwatched run; on an
     accelerator host times are scaled to the unwatched run's host time, and kernels, timed by events, lose
     the launch gap the stopwatch opens before each (:func:`_without_launch_gap`).
