@@ -126,6 +126,46 @@ def test_launch_gaps_the_stopwatch_opens_are_taken_out_of_kernel_times(device, m
     assert times.device == pytest.approx([s + gap / 4 for s in (*Scripted.SECONDS, 0.0)], abs=1e-9)
 
 
+SLOWED: list[float] = []  # seconds every mode_slowed kernel takes longer, while a stand-in policy mode is on
+
+
+@torch.library.custom_op("remat_test::mode_slowed_kernel", mutates_args=())
+def mode_slowed_kernel(x: torch.Tensor, seconds: float) -> torch.Tensor:
+    DEVICE.now += seconds + sum(SLOWED)
+    return x.clone()
+
+
+class Slowing:
+    """Stands in for a policy's recording or replay mode: kernels run 1 ms longer under it (under a Python
+    dispatch mode composite ops take their out-of-place paths, which the mode's own Python does not show)."""
+
+    def __enter__(self) -> None:
+        SLOWED.append(1e-3)
+
+    def __exit__(self, *exc) -> None:
+        SLOWED.pop()
+
+
+def test_a_policy_costs_per_op_what_its_modes_add_to_whole_runs(device, monkeypatch):
+    # The CPU's clock, faked: only kernels take time, so the stopwatch's and the modes' Python cost nothing.
+    monkeypatch.setattr(timing, "_cpu_clock", lambda: lambda: device.now)
+
+    class Block(nn.Module):
+        def forward(self, x):
+            for seconds in Scripted.SECONDS:
+                x = mode_slowed_kernel(x, seconds)
+            return x.view(-1)
+
+    n, x = 4, torch.ones(4)
+    times = time_ops(lambda: Block()(x), n, Clock("cpu"), 2, lambda: (Slowing(), Slowing()))
+    assert not times.asynchronous and not SLOWED
+    assert times.forward == pytest.approx(sum(Scripted.SECONDS), abs=1e-12)
+    assert sum(times.wall) == pytest.approx(times.forward, rel=1e-9)
+    # Three kernels 1 ms slower under each mode: 3 ms per run, over its 4 ops.
+    assert times.policy_forward == pytest.approx(3e-3 / n, abs=1e-12)
+    assert times.policy_replay == pytest.approx(3e-3 / n, abs=1e-12)
+
+
 def test_profile_ops_times_a_block_on_the_accelerator_clock(device, monkeypatch):
     monkeypatch.setattr(opgraph, "device_of", lambda tensors: "cuda")
     fixed = Overheads(region=0.0, per_saved=0.0, policy_forward=0.0, policy_replay=0.0, copy_per_byte=0.0)

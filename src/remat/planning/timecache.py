@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["TimingCache", "cache_dir", "measuring_afresh", "timings_cache"]
 
-_VERSION = 1
+_VERSION = 2  # 2: a policy's cost per op from whole runs under its modes (timing.time_ops)
 _fresh = contextvars.ContextVar("remat_fresh_timings", default=False)
 
 

@@ -23,7 +23,6 @@ with its slack, which errs on the side of predicting a little more time.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import statistics
 import time
@@ -228,15 +227,18 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
              policy_modes: Callable[[], tuple[Any, Any]], name: str = "the block") -> OpTimes:
     """Time each of the ``n`` ops ``run()`` dispatches, on ``clock``; medians of ``repeats`` rounds.
 
-    Each round (the first warms up) runs ``run()`` unwatched, under the stopwatch, and under the stopwatch
-    beneath a policy's forward and replay modes (``policy_modes()`` returns a fresh pair; a policy that
-    keeps nothing runs every op in both).  The policy's cost is the growth of the per-op host times,
-    measured on the block itself: between kernels that stream megabytes through the caches the same
-    Python work costs more than on tiny tensors, and comparing host times rather than whole runs leaves
-    out the kernels' much larger noise on a busy machine.  The stopwatch slows what it watches (its own
-    Python work between ops): on the CPU device and host times are scaled so they add up to the unwatched
-    run; on an accelerator host times are scaled to the unwatched run's host time, and kernels, timed by
-    events, lose the launch gap the stopwatch opens before each (:func:`_without_launch_gap`).
+    Each round (the first warms up) runs ``run()`` unwatched, under the stopwatch, and unwatched under a
+    policy's forward mode, then its replay mode (``policy_modes()`` returns a fresh pair; a policy that
+    keeps nothing runs every op in both).  The policy's cost per op is how much longer the whole run takes
+    under each mode than without one (host time: the CPU's clock on the CPU), the median over rounds of
+    that difference within a round, per op.  Whole runs, because running under any Python dispatch mode
+    costs more than the mode's own Python: composite ops take their out-of-place paths there (SDPA's math
+    path adds its mask out of place, a fresh 8 MiB on the demo GPT's block), which a stopwatch, itself a
+    dispatch mode, sees in every run alike (measured so, the demo GPT block's recording mode cost 18 µs per
+    op against 40-70 µs in whole runs).  The stopwatch slows what it watches (its own Python work between
+    ops): on the CPU device and host times are scaled so they add up to the unwatched run; on an
+    accelerator host times are scaled to the unwatched run's host time, and kernels, timed by events, lose
+    the launch gap the stopwatch opens before each (:func:`_without_launch_gap`).
 
     Example:
         >>> times = time_ops(lambda: block(x), n, Clock("cpu"), 5, lambda: (nullcontext(), nullcontext()))
@@ -244,11 +246,12 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
     plain_device: list[float] = []
     plain_host: list[float] = []
     device_rows: list[list[float]] = []
-    host_rows: dict[str, list[list[float]]] = {"alone": [], "recorder": [], "replayer": []}
+    host_rows: list[list[float]] = []
+    under_policy: dict[str, list[float]] = {"recorder": [], "replayer": []}  # host seconds of unwatched runs
 
-    def watched(label: str, context: Any, keep: bool) -> None:
+    def watched(keep: bool) -> None:
         watch = _Stopwatch(clock, n)
-        with watch, context:  # the policy's mode on top: the stopwatch sees only the kernel calls
+        with watch:
             watch.last = clock.host_now()
             run()
         if watch.count != n:
@@ -259,7 +262,7 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
         device, host = watch.read()
         if keep:
             device_rows.append(device)
-            host_rows[label].append(host)
+            host_rows.append(host)
 
     for round_index in range(repeats + 1):
         keep = round_index > 0
@@ -267,29 +270,32 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
         if keep:
             plain_device.append(device)
             plain_host.append(host)
-        watched("alone", contextlib.nullcontext(), keep)
+        watched(keep)
         recorder, replayer = policy_modes()
-        watched("recorder", recorder, keep)
-        watched("replayer", replayer, keep)
+        for label, mode in (("recorder", recorder), ("replayer", replayer)):  # the replay follows its recording
+            with mode:
+                _, _, host = clock.time(run)
+            if keep:
+                under_policy[label].append(host)
     # Each op's *share* of its run, median over runs: a machine that slows down between runs (other
     # processes, clock speed) moves every op of a run alike, so shares hold where absolute times drift.
     device = _median_shares(device_rows)
-    host = _median_shares(host_rows["alone"])
+    host = _median_shares(host_rows)
     device_total = statistics.median(sum(row) for row in device_rows)
-    host_total = {label: statistics.median(sum(row) for row in rows) for label, rows in host_rows.items()}
+    host_total = statistics.median(sum(row) for row in host_rows)
     forward = statistics.median(plain_device)
     if clock.asynchronous:
         device = _without_launch_gap([d * device_total for d in device], forward)
         device_scale = 1.0
         host_scale = statistics.median(plain_host)
     else:
-        watched_total = device_total + host_total["alone"]
+        watched_total = device_total + host_total
         fraction = forward / watched_total if watched_total > 0 else 0.0
-        device_scale, host_scale = device_total * fraction, host_total["alone"] * fraction
+        device_scale, host_scale = device_total * fraction, host_total * fraction
 
     def per_op(label: str) -> float:
-        growth = max(host_total[label] - host_total["alone"], 0.0)
-        return growth * host_scale / host_total["alone"] / n if host_total["alone"] > 0 else 0.0
+        growth = statistics.median(mode - plain for mode, plain in zip(under_policy[label], plain_host))
+        return max(growth, 0.0) / n
 
     return OpTimes([d * device_scale for d in device], [h * host_scale for h in host], forward,
                    per_op("recorder"), per_op("replayer"), clock.asynchronous, spread(plain_device))
