@@ -430,3 +430,56 @@ def test_every_option_pattern_of_a_chain_predicts_what_memtracker_measures(name)
         measured, _ = _step(plan.apply(copy.deepcopy(model)), x)
         predicted = predict(prof, chosen)[0] - prof.param_bytes
         assert abs(measured - predicted) <= 0.01 * measured, (plan.segments, predicted, measured)
+
+
+class _Scaled(nn.Module):
+    """A layer whose Python number, activation and dropout change between calls, as a schedule changes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.scale, self.act, self.drop = nn.Linear(32, 32), 1.0, nn.GELU(), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.act(self.linear(x) * self.scale))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw-fused"])
+def test_segments_train_as_plain_autograd_while_the_layers_change_between_steps(optimizer):
+    """Each step changes what a segment runs (a scale, an activation swapped, a dropout probability, a forward
+    hook added then removed, an eval forward between): loss and gradients stay bitwise plain autograd's."""
+    from remat.planning.optimizers import make_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Scaled() for _ in range(6)])
+    plain, segmented = copy.deepcopy(model), checkpoint_runs(copy.deepcopy(model), [(0, 3), (3, 5)])
+    optimizers = [make_optimizer(optimizer, list(m.parameters())) for m in (plain, segmented)]
+    x = torch.randn(16, 32)
+    calls = {id(plain): 0, id(segmented): 0}
+    for m in (plain, segmented):
+        m[0].register_forward_pre_hook(lambda mod, args, m=m: calls.__setitem__(id(m), calls[id(m)] + 1))
+    for step in range(5):
+        handles = []
+        for m in (plain, segmented):
+            m[1].scale = 1.0 + 0.5 * step
+            m[2].act = nn.ReLU() if step % 2 else nn.GELU()
+            m[4].drop.p = 0.1 * (step % 3)
+            if step in (2, 3):  # activation steering on a layer inside a segment
+                handles.append(m[3].register_forward_hook(lambda mod, args, out: out + 0.25))
+        losses, grads = [], []
+        for m, opt in zip((plain, segmented), optimizers):
+            torch.manual_seed(100 + step)
+            loss = _loss(m(x))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in m.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            m.eval()
+            with torch.no_grad():
+                m(x)
+            m.train()
+        for handle in handles:
+            handle.remove()
+        assert torch.equal(losses[0], losses[1]), step
+        assert_bitwise(grads[1], grads[0])
+    assert calls[id(segmented)] == calls[id(plain)] + 5  # each training step reran the first segment
