@@ -220,6 +220,16 @@ def test_cnn_with_batch_norm_plans_with_bitwise_gradients_and_statistics():
     assert abs(measured - predicted) <= 0.03 * measured and measured < plain_bytes, (plan.segments, predicted, measured)
 
 
+def _optimizer_step_then_eval(model, optimizer, x):
+    """The optimizer's step, then an evaluation forward between training steps, as training loops run one."""
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+
+
 def test_a_cnn_plan_trains_as_plain_autograd_step_after_step():
     """Optimizer steps and an eval forward between training steps: weights and batch-norm statistics stay
     bitwise those of the plain model, and every step's peak stays the predicted one."""
@@ -232,12 +242,7 @@ def test_a_cnn_plan_trains_as_plain_autograd_step_after_step():
             peak = remat.measure_step(lambda m=m: _loss(m(x)).backward(), m).peak_above_params
             if m is planned:
                 assert abs(peak - (plan.predicted_peak - plan.param_bytes)) <= 0.03 * peak
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            m.eval()
-            with torch.no_grad():
-                m(x)
-            m.train()
+            _optimizer_step_then_eval(m, optimizer, x)
         assert_bitwise(list(planned.state_dict().values()), list(plain.state_dict().values()))
 
 
@@ -472,12 +477,7 @@ def test_segments_train_as_plain_autograd_while_the_layers_change_between_steps(
             loss.backward()
             losses.append(loss.detach())
             grads.append([p.grad.clone() for p in m.parameters()])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            m.eval()
-            with torch.no_grad():
-                m(x)
-            m.train()
+            _optimizer_step_then_eval(m, opt, x)
         for handle in handles:
             handle.remove()
         assert torch.equal(losses[0], losses[1]), step
