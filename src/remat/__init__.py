@@ -59,6 +59,8 @@ _SOURCES = {
     "check_backward_validity": "engine.reentrant",
     "checkpoint": "api.checkpoint",
     "checkpoint_sequential": "api.sequential",
+    "chunked_lm_loss": "api.chunkedloss",
+    "shift_labels": "api.chunkedloss",
     "detach_variable": "engine.reentrant",
     "get_device_states": "engine.replay",
     "noop_context_fn": "api.checkpoint",
