@@ -31,6 +31,8 @@ modes in one phase, compiled ones in a second, both with plain eager as the refe
   each compile their own copy of the module tree (sharing the parameters); torch.compile's
   ``activation_memory_budget`` is patched around every step of its mode, so it is in effect when the graph
   compiles at the first call (and at any recompilation).
+* ``remat-ckpt-chunked-head``: every layer checkpointed and the output layer and loss over token chunks
+  (``remat.chunk_lm_head``, the chunk count the planner's option uses): the logits are never whole.
 * remat's plans at 70/50/30% come from one ``remat.profile`` and are shown with predicted vs measured peak
   and extra time; compiled, a plan is applied and the model then compiled (remat lowers its wrappers into
   the compiler's own rematerialization under dynamo).
@@ -61,6 +63,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import remat
+from remat.planning.head import head_chunk_count
 from remat.planning.memory import profiled_peak
 from remat.planning.optimizers import make_optimizer
 from remat.planning.timing import Clock
@@ -206,6 +209,17 @@ def _layers_through(model: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _ckpt_and_chunked_head(model: nn.Module, chunks: int) -> Iterator[None]:
+    """Every layer through remat.checkpoint and the output layer and loss over ``chunks`` token chunks."""
+    with _layers_through(model, functools.partial(remat.checkpoint, use_reentrant=False)):
+        remat.chunk_lm_head(model, chunks)
+        try:
+            yield
+        finally:
+            remat.unchunk_lm_head(model)
+
+
+@contextlib.contextmanager
 def _planned(model: nn.Module, plan: remat.Plan) -> Iterator[None]:
     plan.apply(model)
     try:
@@ -275,6 +289,8 @@ class Mode:
 def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mode]:
     """Every eager mode on the one shared model (plans: by fraction, or the reason there is none)."""
     model, device_type = work.model, work.device.type
+    ids = work.inputs["input_ids"]
+    chunks = head_chunk_count(ids.numel(), model.get_output_embeddings().in_features)
 
     def through(key: str, label: str, fn: Callable[..., Any]) -> Mode:
         return Mode(key, label, work.step, lambda: _layers_through(model, fn))
@@ -288,6 +304,8 @@ def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mo
                 functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)),
         through("remat-ckpt", "remat checkpoint, every layer",
                 functools.partial(remat.checkpoint, use_reentrant=False)),
+        Mode("remat-ckpt-chunked-head", f"remat checkpoint, every layer + head in {chunks} chunks", work.step,
+             lambda: _ckpt_and_chunked_head(model, chunks)),
         through("torch-sac", "torch SAC, torchtitan's save list (mm, SDPA)", _torch_sac(_save_listed)),
         through("remat-save-matmuls", "remat save_matmuls", functools.partial(
             remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
@@ -370,9 +388,9 @@ def _decision_counts(plan: remat.Plan) -> str:
     return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "torch-save-all",
-              "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
-              "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS)]
+EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "remat-ckpt-chunked-head", "torch-sac", "remat-save-matmuls",
+              "torch-save-all", "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu",
+              "remat-save-on-cpu", "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS)]
 COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",
                  *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS)]
 

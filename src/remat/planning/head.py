@@ -131,8 +131,8 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
     found, refusals = [], []
     for profile, option in ((prof, None), *(((head.profile, head),) if head is not None else ())):
         try:
-            made = (plan_from_profile(profile, budget_bytes) if allow is None
-                    else plan_from_profile(profile, budget_bytes, allow))
+            whole = Budget(nbytes=budget_bytes)  # read against the step without a plan, whichever timeline
+            made = plan_from_profile(profile, whole) if allow is None else plan_from_profile(profile, whole, allow)
         except InfeasibleBudget as refusal:
             refusals.append(refusal)
             continue
