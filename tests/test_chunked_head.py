@@ -152,3 +152,17 @@ def test_step_peak_falls_by_the_logits():
     predicted_drop = logits - logits // 8 - 2 * vocab * 32 * 4  # the weight's gradient and a chunk's share
     assert abs((peaks[None] - peaks[8]) - predicted_drop) <= 0.03 * peaks[None]
     assert peaks[8] * 4 < peaks[None]
+
+
+def test_compiles_with_aot_eager():
+    """Dynamo breaks the graph at the base model's hook and at the backward's autograd.grad; the step is right."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = llama()
+    expected = train(copy.deepcopy(base), steps=1)[0]
+    model = remat.chunk_lm_head(copy.deepcopy(base), chunks=3).train()
+    ids, labels = batch()
+    loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=labels).loss
+    loss.backward()
+    assert_close(expected, [loss.detach()] + [p.grad for p in model.parameters()])
+    torch._dynamo.reset()

@@ -117,3 +117,12 @@ def test_refusal_states_the_lowest_peak_with_the_chunked_head(profiled):
         plan_with_head(prof, prof.head, 0.01)
     assert refused.value.smallest < prof.head.profile.peak_bytes
     assert "the smallest peak any plan reaches" in str(refused.value)
+
+
+def test_check_plan_holds_within_the_chunked_tolerance(profiled):
+    model, ids, prof = profiled
+    plan = prof.plan(0.3)
+    assert plan.head_chunks > 1
+    result = remat.check_plan(model, plan, input_ids=ids, labels=ids, steps=2)
+    assert result.holds, result.verdict()
+    assert "chunks add in another order" in result.verdict()

@@ -60,6 +60,7 @@ _SOURCES = {
     "checkpoint": "api.checkpoint",
     "checkpoint_sequential": "api.sequential",
     "chunked_lm_loss": "api.chunkedloss",
+    "chunked_tolerance": "api.chunkedloss",
     "chunk_lm_head": "api.chunkedhead",
     "unchunk_lm_head": "api.chunkedhead",
     "lm_head_chunks": "api.chunkedhead",

@@ -21,7 +21,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_lm_loss", "shift_labels"]
+__all__ = ["chunked_lm_loss", "chunked_tolerance", "shift_labels"]
+
+
+def chunked_tolerance(dtype: torch.dtype) -> float:
+    """How far a gradient (or loss) of several chunks may be from the unchunked one, relative to its largest
+    magnitude: float32 1e-5, float64 1e-12, 16-bit floats (and autocast's bfloat16 matmuls) 2e-2.
+
+    Example:
+        >>> chunked_tolerance(torch.float32)
+        1e-05
+    """
+    return {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 2e-2)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
