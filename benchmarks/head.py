@@ -9,7 +9,8 @@ Two tables:
 
 * **head**: the output layer and loss alone on the model's shapes (last hidden state -> loss -> backward), for
   the unchunked head (transformers' ``ForCausalLMLoss``) and ``remat.chunked_lm_loss`` at several chunk counts:
-  MemTracker's peak above the weight (the hidden state included) and the median seconds of forward + backward.
+  MemTracker's peak above the weight (the hidden state included) and the median CPU seconds of forward +
+  backward on one thread (``torch.set_num_threads(1)``, this thread's CPU time: steady on a shared machine).
 * **step**: one training step of the model (peak above parameters, MemTracker): plain; every layer
   checkpointed (``enable``); every layer checkpointed with the chunked head (``enable(chunked_loss=n)``); and
   the lowest peak any plan reaches from one ``remat.profile``, without the chunked-head option and with it.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +31,6 @@ import torch.nn.functional as F
 
 import remat
 from remat.planning.memory import measure_step
-from remat.planning.timing import Clock
 
 
 def build(vocab: int, hidden: int, layers: int) -> Any:
@@ -57,10 +59,15 @@ def head_rows(tokens: int, hidden: int, vocab: int, chunk_counts: list[int], rou
             head.weight.grad = None
 
         peak = measure_step(step, head).peak_above_params
-        clock = Clock("cpu")
-        seconds = statistics.median(clock.time(step)[1] for _ in range(rounds))
+        seconds = statistics.median(_thread_seconds(step) for _ in range(rounds))
         rows.append({"chunks": chunks, "peak": peak, "seconds": seconds})
     return rows
+
+
+def _thread_seconds(fn: Callable[[], None]) -> float:
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
 
 
 def step_rows(model: Any, ids: torch.Tensor, chunks: int) -> dict[str, int]:
@@ -82,6 +89,29 @@ def step_rows(model: Any, ids: torch.Tensor, chunks: int) -> dict[str, int]:
     return out
 
 
+def print_head(tokens: int, args: argparse.Namespace) -> None:
+    rows = head_rows(tokens, args.hidden, args.vocab, [int(c) for c in args.chunks.split(",")], args.rounds)
+    base = rows[0]
+    print(f"head and loss alone: {tokens} tokens x {args.hidden} features -> vocab {args.vocab}")
+    print(f"{'chunks':>10} {'peak MiB':>10} {'x unchunked':>12} {'seconds':>9} {'x time':>7}")
+    for row in rows:
+        name = "unchunked" if row["chunks"] is None else str(row["chunks"])
+        print(f"{name:>10} {row['peak'] / 2**20:>10.1f} {row['peak'] / base['peak']:>12.3f} "
+              f"{row['seconds']:>9.3f} {row['seconds'] / base['seconds']:>7.2f}")
+
+
+def print_step(tokens: int, args: argparse.Namespace) -> None:
+    from remat.planning.head import head_chunk_count
+
+    model = build(args.vocab, args.hidden, args.layers)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    peaks = step_rows(model, ids, head_chunk_count(tokens, args.hidden))
+    shape = f"Llama {args.layers} x {args.hidden}, batch {args.batch} x {args.seq}"
+    print(f"\ntraining step, {shape}: peak above parameters")
+    for name, value in peaks.items():
+        print(f"{name:>28} {value / 2**20:>10.1f} MiB {value / peaks['plain']:>6.1%} of plain")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=32000)
@@ -91,27 +121,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--chunks", default="1,4,8,16,32", help="chunk counts of the head table")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tables", default="head,step", help="which tables to print: head, step or both")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     tokens = args.batch * args.seq
-    chunk_counts = [int(c) for c in args.chunks.split(",")]
-    rows = head_rows(tokens, args.hidden, args.vocab, chunk_counts, args.rounds)
-    base = rows[0]
-    print(f"head and loss alone: {tokens} tokens x {args.hidden} features -> vocab {args.vocab}")
-    print(f"{'chunks':>10} {'peak MiB':>10} {'x unchunked':>12} {'seconds':>9} {'x time':>7}")
-    for row in rows:
-        name = "unchunked" if row["chunks"] is None else str(row["chunks"])
-        print(f"{name:>10} {row['peak'] / 2**20:>10.1f} {row['peak'] / base['peak']:>12.3f} "
-              f"{row['seconds']:>9.3f} {row['seconds'] / base['seconds']:>7.2f}")
-    model = build(args.vocab, args.hidden, args.layers)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
-    from remat.planning.head import head_chunk_count
-
-    peaks = step_rows(model, ids, head_chunk_count(tokens, args.hidden))
-    shape = f"Llama {args.layers} x {args.hidden}, batch {args.batch} x {args.seq}"
-    print(f"\ntraining step, {shape}: peak above parameters")
-    for name, value in peaks.items():
-        print(f"{name:>28} {value / 2**20:>10.1f} MiB {value / peaks['plain']:>6.1%} of plain")
+    if "head" in args.tables:
+        print_head(tokens, args)
+    if "step" in args.tables:
+        print_step(tokens, args)
 
 
 if __name__ == "__main__":
