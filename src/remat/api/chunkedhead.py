@@ -24,7 +24,7 @@ from torch import nn
 
 from .chunkedloss import chunked_lm_loss
 
-__all__ = ["chunk_lm_head", "lm_head_chunks", "unchunk_lm_head"]
+__all__ = ["chunk_lm_head", "lm_head_chunks", "lm_head_refusal", "unchunk_lm_head"]
 
 _CHUNKS = "_remat_lm_head_chunks"
 # Config fields of causal LMs whose forward changes the logits in ways the chunked loss does not repeat.
@@ -46,7 +46,9 @@ def chunk_lm_head(model: nn.Module, chunks: int = 8) -> nn.Module:
     """
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"chunk_lm_head: chunks must be a positive int, got {chunks!r}.")
-    _check_supported(model)
+    refusal = lm_head_refusal(model)
+    if refusal:
+        raise ValueError(refusal)
     setattr(model, _CHUNKS, chunks)
     model.forward = types.MethodType(_chunked_forward, model)
     return model
@@ -75,28 +77,31 @@ def lm_head_chunks(model: nn.Module) -> int | None:
     return getattr(model, _CHUNKS, None)
 
 
-def _check_supported(model: nn.Module) -> None:
+def lm_head_refusal(model: nn.Module) -> str:
+    """Why :func:`chunk_lm_head` refuses ``model``, in one line naming the fix ('' if it accepts it).
+
+    Example:
+        >>> lm_head_refusal(torch.nn.Linear(4, 4))[:40]
+        'chunk_lm_head: Linear is not a Hugging F'
+    """
     name = type(model).__name__
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if not isinstance(head, nn.Linear) or getattr(model, "base_model", model) is model:
-        raise ValueError(
-            f"chunk_lm_head: {name} is not a Hugging Face causal LM with an nn.Linear output layer; for your own "
-            "model, compute the loss with remat.chunked_lm_loss(last_hidden_state, head.weight, labels)."
-        )
+        return (f"chunk_lm_head: {name} is not a Hugging Face causal LM with an nn.Linear output layer; for your "
+                "own model, compute the loss with remat.chunked_lm_loss(last_hidden_state, head.weight, labels).")
     if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
-        raise ValueError(
-            f"chunk_lm_head: {name}.forward takes no logits_to_keep (transformers 4.50 on, most causal LMs), so "
-            "its logits cannot be skipped; use remat.chunked_lm_loss on the base model's last hidden state."
-        )
+        return (f"chunk_lm_head: {name}.forward takes no logits_to_keep (transformers 4.50 on, most causal LMs), "
+                "so its logits cannot be skipped; use remat.chunked_lm_loss on the base model's last hidden state.")
     config = getattr(model, "config", None)
     for field, what in _UNSUPPORTED.items():
         if getattr(config, field, None) not in (None, 1, 1.0):
-            raise ValueError(f"chunk_lm_head: {name} scales its logits ({what}), which the chunked loss does not "
-                             "repeat; train it without chunk_lm_head.")
+            return (f"chunk_lm_head: {name} scales its logits ({what}), which the chunked loss does not repeat; "
+                    "train it without chunk_lm_head.")
     if getattr(config, "output_router_logits", False):
-        raise ValueError(f"chunk_lm_head: {name} adds a router loss to its output's loss; set "
-                         "config.output_router_logits = False or train it without chunk_lm_head.")
+        return (f"chunk_lm_head: {name} adds a router loss to its output's loss; set "
+                "config.output_router_logits = False or train it without chunk_lm_head.")
+    return ""
 
 
 def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

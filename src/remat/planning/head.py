@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..api.chunkedhead import _check_supported, chunk_lm_head, lm_head_chunks, unchunk_lm_head
+from ..api.chunkedhead import chunk_lm_head, lm_head_chunks, lm_head_refusal, unchunk_lm_head
 from ..api.chunkedloss import chunked_lm_loss
 from .plan import Plan
 from .profile import StepProfile, _assemble
@@ -67,11 +67,8 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
         >>> option = measure_head(model, (), {"input_ids": ids, "labels": ids}, blocks, False, prof, 5)
     """
     labels = example_kwargs.get("labels")
-    if custom_loss or labels is None or not model.training or lm_head_chunks(model) is not None:
-        return None
-    try:
-        _check_supported(model)
-    except ValueError:
+    if (custom_loss or labels is None or not model.training or lm_head_chunks(model) is not None
+            or lm_head_refusal(model)):
         return None
     head = model.get_output_embeddings()
     chunks = head_chunk_count(labels.numel(), head.in_features)
