@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from ..api.modules import ActivationWrapper
 from ..api.sequential import checkpointed_runs
+from .alternatives import plan_for, plans_near
 from .discovery import chain_links, resolve_blocks
 from .inputs import describe_inputs
 from .kvcache import cache_off
@@ -69,6 +70,32 @@ class Profile(StepProfile):
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
         made = plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
+        return self._for_this_model(made)
+
+    def alternatives(self, budget: Budget | int | float | str, count: int = 5,
+                     allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
+        """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first, the first being
+        :meth:`plan`'s: the runners-up a run on a machine whose timings moved might pick, to check them all
+        (:func:`~remat.planning.alternatives.plans_near`).
+
+        Example:
+            >>> for p in prof.alternatives("50%", count=3):
+            ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
+        """
+        return [self._for_this_model(p) for p in plans_near(self, budget, count, allow)]
+
+    def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
+        """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
+        ``segments`` as one region, with its predicted peak and extra time
+        (:func:`~remat.planning.alternatives.plan_for`).
+
+        Example:
+            >>> every_other = prof.price({"blocks.0": "checkpoint", "blocks.2": "checkpoint"})
+            >>> every_other.predicted_peak, every_other.predicted_extra_time
+        """
+        return self._for_this_model(plan_for(self, decisions, segments))
+
+    def _for_this_model(self, made: Plan) -> Plan:
         made.meta = {**self.model_meta, **made.meta}
         return made
 
