@@ -171,8 +171,8 @@ def test_a_missing_plan_file_is_one_line_and_exit_2(planned_user_module):
                     cwd=planned_user_module)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "remat check: error: cannot read the plan 'missing.json' (No such file or directory); write one with "
-        "remat plan MODULE:FACTORY --budget 50% -o missing.json"]
+        "remat check: error: cannot read the plan missing.json (No such file or directory); make one with "
+        "`remat plan ... -o missing.json`"]
 
 
 def test_the_check_command_has_help_with_examples():

@@ -80,6 +80,9 @@ _USER_MODULE = textwrap.dedent('''
 
     def nothing():
         return None
+
+    def tokens_like_masked():
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
 ''')
 
 
@@ -121,7 +124,55 @@ def test_show_prints_a_saved_plan_and_a_missing_file_in_one_line(tmp_path, capsy
     assert "at inputs arg 0 4x8" in out and "Predicted peak" in out
     missing = tmp_path / "missing.json"
     code, line = _run(["show", str(missing)], capsys)
-    assert code == 2 and line == f"remat show: error: cannot read {missing} (No such file or directory)"
+    assert code == 2 and line == (f"remat show: error: cannot read the plan {missing} (No such file or directory); "
+                                  f"make one with `remat plan ... -o {missing}`")
+
+
+def test_json_s_own_at_is_not_doubled_in_the_reason(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text('{"decisions": {"0": "checkpoint"},\n "note": "a\tb",\n "x": 1}')  # a raw tab in a string
+    with pytest.raises(PlanFileError) as refused:
+        remat.Plan.load(str(path))
+    assert "(not JSON: Invalid control character at line 2, column 12)" in str(refused.value)
+    assert "at at" not in str(refused.value)
+
+
+@pytest.mark.parametrize("content", ['{"decisions": {"0": "checkpoint"}, "predicted_peak": 1', "[1, 2]", None])
+def test_show_and_check_word_a_bad_plan_file_alike_and_check_prints_nothing_before(
+        tmp_path, capsys, user_module, content):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    lines = {}
+    for command in ("show", "check"):
+        argv = [command, str(path)] if command == "show" else \
+            [command, f"{user_module}:masked", "--plan", str(path), "--input-shape", "4,8"]
+        try:
+            code = main(argv)
+        except SystemExit as exited:
+            code = exited.code
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == ""
+        lines[command] = _one_line(captured.err).removeprefix(f"remat {command}: error: ")
+    assert lines["show"] == lines["check"]
+
+
+def test_check_with_a_plan_for_another_model_prints_its_error_and_no_blank_line(tmp_path, capsys, user_module):
+    plan = _plan_for(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), {"arg 0": "4x8"})
+    plan.save(str(tmp_path / "plan.json"))
+    argv = ["check", f"{user_module}:tokens_like_masked", "--plan", str(tmp_path / "plan.json"),
+            "--input-shape", "4,8"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert _one_line(captured.err).startswith("remat check: error: block 0 has other parameters than in the plan")
+
+
+def test_a_dot_where_the_colon_belongs_is_told_with_the_fix(capsys):
+    code, line = _run(["plan", "mymodels.seqcnn", "--budget", "50%"], capsys)
+    assert code == 2
+    assert line == ("remat plan: error: MODULE:FACTORY must look like package.module:function, got "
+                    "'mymodels.seqcnn'; did you mean mymodels:seqcnn?")
 
 
 # ---- 2. inputs that do not fit the forward -----------------------------------------------------------

@@ -208,7 +208,8 @@ class Plan:
             if error.pos >= len(error.doc.rstrip()):
                 reason = f"truncated JSON: it stops at line {error.lineno}"
             else:
-                reason = f"not JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+                # json's messages may end in "at" ("Unterminated string starting at"): one "at" before the place
+                reason = f"not JSON: {error.msg.removesuffix(' at')} at line {error.lineno}, column {error.colno}"
             raise PlanFileError(_not_a_plan(path, reason)) from None
         problem = _malformed(data)
         if problem:
