@@ -15,6 +15,7 @@ from torch import nn
 import remat
 from remat.planning.plan import PlanFileError, describe_model
 from remat.planning.units import parse_budget
+from remat.planning.workflow import SummedLossWarning
 from remat.tools.cli import main
 
 
@@ -309,6 +310,36 @@ def test_the_first_forward_at_another_shape_warns_once_naming_both_shapes():
     assert "arg 0 2x256x8 (the plan was made at 2x64x8)" in line
     assert "predicted peak and extra time do not hold" in line and "plan again at this shape" in line
     assert shapes[0].filename == __file__  # pointed at the user's call
+
+
+def _unsteady(monkeypatch):
+    """Every block's timed forwards vary by half their median: the profile warns (UnsteadyTimings)."""
+    from remat.planning import opgraph
+
+    real = opgraph._time_block
+    monkeypatch.setattr(opgraph, "_time_block", lambda *a: opgraph.replace(real(*a), spread=0.5))
+    monkeypatch.setenv("REMAT_UNSTEADY_SPREAD", "0.1")
+
+
+@pytest.mark.parametrize("what", ["unsteady timings", "summed loss", "blocks left out"])
+def test_remat_s_warnings_name_the_user_s_line(what, monkeypatch):
+    model = nn.Sequential(Block(), Block(), Block())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if what == "unsteady timings":
+            _unsteady(monkeypatch)
+            remat.profile(model, torch.randn(4, 8), loss_fn=lambda out: out.sum(), repeats=1)
+            category = remat.UnsteadyTimings
+        elif what == "summed loss":
+            remat.profile(model, torch.randn(4, 8), repeats=1, ops=False)
+            category = SummedLossWarning
+        else:
+            plan = _plan_for(nn.Sequential(Block(), Block()), {})
+            plan.meta.pop("candidates", None)
+            plan.apply(model)
+            category = UserWarning
+    told = [w for w in caught if issubclass(w.category, category)]
+    assert told and all(w.filename == __file__ for w in told), [(w.filename, w.lineno) for w in told]
 
 
 def test_the_same_shapes_an_old_plan_file_and_a_removed_plan_warn_nothing(tmp_path):

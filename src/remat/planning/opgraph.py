@@ -69,6 +69,7 @@ from .overheads import Overheads, measure_overheads
 from .timecache import TimingCache, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
+from .userline import user_stacklevel
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
 
@@ -553,7 +554,7 @@ def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
                 f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
                 "(is the machine busy?); plans priced from these times may differ from run to run. Profile on a "
                 "quieter machine, or again with fresh timings (remat.profile(..., fresh_timings=True), "
-                "remat plan --fresh-timings)."), stacklevel=4)
+                "remat plan --fresh-timings)."), stacklevel=user_stacklevel())
     return pooled(timing, record.work)
 
 

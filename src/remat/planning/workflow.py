@@ -29,6 +29,7 @@ from .profile import StepProfile, default_loss, measure
 from .solver import plan_from_profile
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
+from .userline import user_stacklevel
 
 __all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile"]
 
@@ -232,7 +233,7 @@ def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
                 text = (f"remat.profile: {name}'s output has no .loss and no loss_fn was given, so the profile "
                         "backpropagates the sum of its outputs; pass loss_fn= (e.g. lambda out: "
                         "F.cross_entropy(out, targets)) to profile your training loss.")
-            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=2)
+            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=user_stacklevel())
         return default_loss(output)
 
     return loss
