@@ -84,6 +84,10 @@ _USER_MODULE = textwrap.dedent('''
 
     def tokens_like_masked():
         return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+
+    def prewrapped():
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        return nn.Sequential(*[checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.ReLU())) for _ in range(3)])
 ''')
 
 
@@ -221,6 +225,65 @@ def test_a_plan_applied_to_something_else_than_a_module_says_so():
     plan = _plan_for(nn.Sequential(Block(), Block()), {})
     with pytest.raises(TypeError, match=r"^remat.Plan.apply: expected the torch.nn.Module .*got Tensor"):
         plan.apply(torch.ones(2))
+
+
+def _torch_wrapped(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def _hf_llama(switch):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    if switch == "remat.enable":
+        from remat.integrations.transformers import enable
+
+        enable(model)
+    else:
+        switch = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        switch()  # transformers' own, under its name in this version
+    return model
+
+
+@pytest.mark.parametrize("how, words", [
+    ("remat", "blocks.0 and 2 more of Masked already checkpoint (remat's checkpoint/offload wrappers or a plan)"),
+    ("torch", "blocks.0 and 2 more of Masked already checkpoint (torch's checkpoint_wrapper)"),
+    ("transformers", "LlamaForCausalLM has transformers' gradient checkpointing on (model.layers.0 and 1 more;"),
+    ("remat.enable", "LlamaForCausalLM has transformers' gradient checkpointing on (model.layers.0 and 1 more;"),
+])
+@pytest.mark.parametrize("who", ["remat.profile", "remat.plan"])
+def test_a_model_whose_blocks_already_checkpoint_is_told_so_with_the_fix(how, words, who):
+    if how in ("remat", "torch"):
+        model, inputs = Masked(), {"x": torch.randn(4, 8), "mask": torch.ones(4, 8)}
+        if how == "remat":
+            remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        else:
+            _torch_wrapped(model)
+    else:
+        model = _hf_llama(how)
+        ids = torch.randint(0, 64, (2, 8))
+        inputs = {"input_ids": ids, "labels": ids}
+    with pytest.raises(ValueError) as refused:
+        if who == "remat.profile":
+            remat.profile(model, **inputs, repeats=1)
+        else:
+            remat.plan(model, **inputs, budget="50%")
+    line = _one_line(str(refused.value))
+    assert line.startswith(f"{who}: {words}"), line
+    fix = "_checkpointing_disable() first" if how in ("transformers", "remat.enable") else "plan.remove(model)"
+    assert fix in line and "the plan does the checkpointing" in line.replace("it does the", "the plan does the")
+
+
+def test_the_command_tells_a_model_that_already_checkpoints_in_one_line(user_module, capsys):
+    code, line = _run(["plan", f"{user_module}:prewrapped", "--input-shape", "4,8", "--budget", "50%"], capsys)
+    assert code == 2
+    assert line.startswith("remat plan: error: 0 and 2 more of Sequential already checkpoint (torch's "
+                           "checkpoint_wrapper)"), line
 
 
 # ---- 3 and 4. budgets --------------------------------------------------------------------------------

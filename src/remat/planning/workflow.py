@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api.modules import ActivationWrapper
 from ..api.sequential import checkpointed_runs
 from .discovery import chain_links, resolve_blocks
 from .inputs import describe_inputs
@@ -31,7 +30,9 @@ from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 from .userline import user_stacklevel
 
-__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile"]
+__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile", "refuse_checkpointed"]
+
+_WRAPPED = "_checkpoint_wrapped_module"  # where remat's and torch's checkpoint wrappers hold the module they wrap
 
 
 class SummedLossWarning(UserWarning):
@@ -111,6 +112,7 @@ def profile(
         >>> print(prof); plan = prof.plan(0.5)
     """
     check_inputs(model, example_inputs, example_kwargs, "remat.profile")
+    refuse_checkpointed(model, "remat.profile")
     if device not in (None, "meta"):
         raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     if repeats < 1:
@@ -171,6 +173,40 @@ def check_inputs(model: Any, args: tuple, kwargs: dict[str, Any], who: str = "re
     if problem:
         raise TypeError(f"{who}: {problem}; pass the inputs as the forward takes them, positional first and the rest "
                         f"by name ({who}(model, x, mask=mask)).")
+
+
+def refuse_checkpointed(model: nn.Module, who: str = "remat.profile") -> None:
+    """Raise ValueError, in one line naming ``who``, if ``model``'s blocks already checkpoint: a profile would
+    see the step with checkpointing, in which no option frees memory.  Names what checkpoints and how to turn
+    it off: remat's or torch's checkpoint wrappers, a plan's segments, transformers' gradient checkpointing
+    (``gradient_checkpointing_enable``, ``remat.enable``, ``Trainer``).
+
+    Example:
+        >>> refuse_checkpointed(model, "remat.plan")
+    """
+    wrapped = [name for name, m in model.named_modules() if _WRAPPED in m._modules or checkpointed_runs(m)]
+    flagged = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    flagged = [name for name in flagged if not any(other.startswith(f"{name}.") for other in flagged)]  # the layers
+    name = type(model).__name__
+    if wrapped:
+        torch_s = any(type(m).__module__.startswith("torch.") for m in model.modules() if _WRAPPED in m._modules)
+        whose = "torch's checkpoint_wrapper" if torch_s else "remat's checkpoint/offload wrappers or a plan"
+        raise ValueError(
+            f"{who}: {_some(wrapped)} of {name} already checkpoint ({whose}), so a profile would see a step in which "
+            "no option frees more; profile the model without them (plan.remove(model) for a plan's; build it without "
+            "checkpoint_wrapper / apply_activation_checkpointing otherwise): the plan does the checkpointing.")
+    if flagged:
+        switch = ("activation_checkpointing_disable" if hasattr(type(model), "activation_checkpointing_disable")
+                  else "gradient_checkpointing_disable")
+        raise ValueError(
+            f"{who}: {name} has transformers' gradient checkpointing on ({_some(flagged)}; turned on by "
+            "activation_/gradient_checkpointing_enable, remat.enable or Trainer), so a profile "
+            f"would see a step in which no option frees more; call model.{switch}() first, then plan and apply the "
+            "plan instead: it does the checkpointing.")
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def forward_mismatch(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
@@ -272,9 +308,7 @@ def plan(
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
-    if any(isinstance(m, ActivationWrapper) or checkpointed_runs(m) for m in model.modules()):
-        raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
-                         "(plan.remove(model)) so the profile sees the step without checkpointing.")
+    refuse_checkpointed(model, "remat.plan")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
                    **example_kwargs)
     return prof.plan(budget, allow)
