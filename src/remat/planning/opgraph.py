@@ -66,7 +66,7 @@ from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import resolve_blocks
 from .overheads import Overheads, measure_overheads
-from .timecache import TimingCache, timings_cache
+from .timecache import StepTime, TimingCache, cached_times, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
 from .userline import user_stacklevel
@@ -184,6 +184,7 @@ class OpProfile:
     blocks: dict[str, BlockGraph]
     device: str
     notes: list[str] = field(default_factory=list)
+    step_time: float | None = None  # the step time the op times go with, when given a reference_step
 
     @property
     def distinct(self) -> list[BlockGraph]:
@@ -435,6 +436,7 @@ def profile_ops(
     throughput: float = 100e12,
     bandwidth: float = 2e12,
     overheads: Overheads | None = None,
+    reference_step: StepTime | None = None,
     **example_kwargs: Any,
 ) -> OpProfile:
     """Record the op graph of every candidate block of ``model`` on ``example_inputs`` (one forward).
@@ -448,7 +450,9 @@ def profile_ops(
     costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
     times are estimated, and copies at ``bandwidth``, read plus write).  The RNG
-    state is left as it was.
+    state is left as it was.  ``reference_step``: this process's training step
+    time, against which cached times are checked (:func:`~remat.planning.timecache.stale`);
+    the result's ``step_time`` is then the step time the op times go with.
 
     Example:
         >>> model = remat.models.GPT()
@@ -507,40 +511,53 @@ def profile_ops(
                         cache.put("overheads", "", device, dataclasses.asdict(overheads))
                     if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                         overheads = replace(overheads, copy_per_byte=2 / bandwidth)
-                graphs = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device)
+                step = None if estimated else reference_step
+                graphs, step_time = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device,
+                                            step, _model_key(model, tensors, records))
     finally:
         for handle in handles:
             handle.remove()
     missing = [name for name, _ in blocks if name not in graphs]
     notes = [f"{', '.join(missing)} did not run in the forward; no graph"] if missing else []
     device = str(next(iter(tensors)).device) if tensors else "cpu"
-    return OpProfile(blocks=graphs, device=device, notes=notes)
+    return OpProfile(blocks=graphs, device=device, notes=notes, step_time=step_time)
 
 
 def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
-            measure_policy: bool, cache: TimingCache, device: str) -> dict[str, BlockGraph]:
-    by_signature: dict[str, BlockGraph] = {}
-    graphs = {}
+            measure_policy: bool, cache: TimingCache, device: str, step: StepTime | None, model_key: str
+            ) -> tuple[dict[str, BlockGraph], float | None]:
+    """Every block's graph (blocks of one signature share one) timed from the cache or measured, and the step
+    time those times go with (None without a ``step``)."""
+    graphs: dict[str, BlockGraph] = {}
+    timed: dict[str, tuple[BlockGraph, _BlockRecord]] = {}  # per signature: the graph its blocks share, the one timed
     for name, record in records.items():
         graph = _graph(record, estimated, overheads)
-        shared = by_signature.get(graph.signature)
-        if shared is None:
-            if not estimated:
-                cached = cache.get("ops", graph.signature, device)
-                if cached is None:
-                    measured = _steady_times(record, len(graph.nodes), repeats)
-                    cached = cache.put("ops", graph.signature, device, dataclasses.asdict(measured))
-                timing = OpTimes(**cached)
-                graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
-                               for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
-                graph.forward_time = timing.forward
-                graph.asynchronous = timing.asynchronous
-                if measure_policy:
-                    graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
-                                              policy_replay=timing.policy_replay)
-            shared = by_signature[graph.signature] = graph
-        graphs[name] = shared
-    return graphs
+        graphs[name] = timed.setdefault(graph.signature, (graph, record))[0]
+    if estimated:
+        return graphs, None
+
+    def measure(signature: str) -> dict[str, Any]:
+        graph, record = timed[signature]
+        return dataclasses.asdict(_steady_times(record, len(graph.nodes), repeats))
+
+    times, step_time = cached_times(cache, device, {name: g.signature for name, g in graphs.items()}, measure, step,
+                                    model_key, _unsteady())
+    for signature, (graph, _) in timed.items():
+        timing = OpTimes(**times[signature])
+        graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
+                       for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
+        graph.forward_time = timing.forward
+        graph.asynchronous = timing.asynchronous
+        if measure_policy:
+            graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
+                                      policy_replay=timing.policy_replay)
+    return graphs, step_time
+
+
+def _model_key(model: nn.Module, tensors: list[torch.Tensor], records: dict[str, _BlockRecord]) -> str:
+    """What a model's step time depends on besides the machine and its blocks' graphs: its class, its
+    parameters' and inputs' shapes, which blocks it has."""
+    return "|".join([type(model).__qualname__, *(f"{tuple(t.shape)}{t.dtype}" for t in tensors), *records])
 
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
