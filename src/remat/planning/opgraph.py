@@ -569,9 +569,8 @@ def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
         if timing.spread > limit:
             warnings.warn(UnsteadyTimings(
                 f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
-                "(is the machine busy?); plans priced from these times may differ from run to run. Profile on a "
-                "quieter machine, or again with fresh timings (remat.profile(..., fresh_timings=True), "
-                "remat plan --fresh-timings)."), stacklevel=user_stacklevel())
+                "(is the machine busy?); plans priced from these times may differ from run to run, and they are "
+                "not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
     return pooled(timing, record.work)
 
 

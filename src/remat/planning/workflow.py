@@ -100,7 +100,8 @@ def profile(
     is left as it was).
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
-    (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
+    (``with torch.device("meta"): model = ...``); bytes are those of each op's meta function (the CPU's where
+    it takes the CPU kernel's path; attention is counted as SDPA's math path), times are FLOPs
     (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
     checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
     (:class:`~remat.planning.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
