@@ -46,8 +46,8 @@ import torch
 
 from .userline import user_stacklevel
 
-__all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "measuring_afresh", "cached_times",
-           "stale", "timings_cache"]
+__all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times", "measuring_afresh",
+           "model_key", "stale", "timings_cache"]
 
 _VERSION = 3  # 3: unsteady timings are not written; a model's step time is kept beside its blocks' timings
 
@@ -200,8 +200,18 @@ def timings_cache() -> Iterator[TimingCache]:
         cache._write()
 
 
-def cached_times(cache: TimingCache, device: str, blocks: dict[str, str], measure: Callable[[str], dict[str, Any]],
-                 step: StepTime | None, model_key: str, unsteady: float
+def model_key(model: torch.nn.Module, tensors: list[torch.Tensor]) -> str:
+    """What a model's step time depends on besides the machine and its blocks: its class, and the shapes and
+    dtypes of its parameters and inputs (``tensors``).
+
+    Example:
+        >>> model_key(model, [*model.parameters(), tokens])
+    """
+    return "|".join([type(model).__qualname__, *(f"{tuple(t.shape)}{t.dtype}" for t in tensors)])
+
+
+def cached_times(cache: TimingCache, device: str, blocks: dict[str, str], step: StepTime | None, model: str,
+                 unsteady: float, measure: Callable[[str], dict[str, Any]]
                  ) -> tuple[dict[str, dict[str, Any]], float | None]:
     """Per signature of ``blocks`` (block name -> signature) its times, cached or ``measure(signature)``d, and
     the step time they go with (None without a ``step``).
@@ -210,14 +220,14 @@ def cached_times(cache: TimingCache, device: str, blocks: dict[str, str], measur
     when its spread is at most ``unsteady``.  Given this process's ``step``, cached times that :func:`stale`
     finds are not this machine's now are measured again, with one :class:`StaleTimings` line; the step time
     returned is the one cached with the times while they all come from the cache, else ``step``'s (written
-    beside them when it and they are steady).  ``model_key``: what the step depends on besides the blocks.
+    beside them when it and they are steady).  ``model``: :func:`model_key`.
 
     Example:
-        >>> times, step_time = cached_times(cache, "cpu", {"blocks.0": "3f2a"}, measure, StepTime(0.02), key, 0.1)
+        >>> times, step_time = cached_times(cache, "cpu", {"blocks.0": "3f2a"}, StepTime(0.02), key, 0.1, measure)
     """
     signatures = dict.fromkeys(blocks.values())
     times = {signature: cache.get("ops", signature, device) for signature in signatures}
-    key = hashlib.sha1("|".join([model_key, *blocks.values()]).encode()).hexdigest()[:16]
+    key = hashlib.sha1("|".join([model, *(f"{name}={sig}" for name, sig in blocks.items())]).encode()).hexdigest()[:16]
     entry, step_time = cache.get("step", key, device) if step else None, None
     if step and any(times.values()):
         cached = [name for name, signature in blocks.items() if times[signature]]
