@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api.modules import ActivationWrapper
 from ..api.sequential import checkpointed_runs
 from .alternatives import plan_for, plans_near
 from .discovery import chain_links, resolve_blocks
@@ -31,8 +30,11 @@ from .solver import plan_from_profile
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 from .untouched import left_as_found
+from .userline import user_stacklevel
 
-__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile"]
+__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile", "refuse_checkpointed"]
+
+_WRAPPED = "_checkpoint_wrapped_module"  # where remat's and torch's checkpoint wrappers hold the module they wrap
 
 
 class SummedLossWarning(UserWarning):
@@ -126,7 +128,8 @@ def profile(
     is left as it was).
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
-    (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
+    (``with torch.device("meta"): model = ...``); bytes are those the same step keeps on the CPU (attention runs
+    the kernel the CPU picks), times are FLOPs
     (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
     checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
     (:class:`~remat.planning.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
@@ -138,6 +141,7 @@ def profile(
         >>> print(prof); plan = prof.plan(0.5)
     """
     check_inputs(model, example_inputs, example_kwargs, "remat.profile")
+    refuse_checkpointed(model, "remat.profile")
     if device not in (None, "meta"):
         raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     if repeats < 1:
@@ -201,6 +205,40 @@ def check_inputs(model: Any, args: tuple, kwargs: dict[str, Any], who: str = "re
                         f"by name ({who}(model, x, mask=mask)).")
 
 
+def refuse_checkpointed(model: nn.Module, who: str = "remat.profile") -> None:
+    """Raise ValueError, in one line naming ``who``, if ``model``'s blocks already checkpoint: a profile would
+    see the step with checkpointing, in which no option frees memory.  Names what checkpoints and how to turn
+    it off: remat's or torch's checkpoint wrappers, a plan's segments, transformers' gradient checkpointing
+    (``gradient_checkpointing_enable``, ``remat.enable``, ``Trainer``).
+
+    Example:
+        >>> refuse_checkpointed(model, "remat.plan")
+    """
+    wrapped = [name for name, m in model.named_modules() if _WRAPPED in m._modules or checkpointed_runs(m)]
+    flagged = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    flagged = [name for name in flagged if not any(other.startswith(f"{name}.") for other in flagged)]  # the layers
+    name = type(model).__name__
+    if wrapped:
+        torch_s = any(type(m).__module__.startswith("torch.") for m in model.modules() if _WRAPPED in m._modules)
+        whose = "torch's checkpoint_wrapper" if torch_s else "remat's checkpoint/offload wrappers or a plan"
+        raise ValueError(
+            f"{who}: {_some(wrapped)} of {name} already checkpoint ({whose}), so a profile would see a step in which "
+            "no option frees more; profile the model without them (plan.remove(model) for a plan's; build it without "
+            "checkpoint_wrapper / apply_activation_checkpointing otherwise): the plan does the checkpointing.")
+    if flagged:
+        switch = ("activation_checkpointing_disable" if hasattr(type(model), "activation_checkpointing_disable")
+                  else "gradient_checkpointing_disable")
+        raise ValueError(
+            f"{who}: {name} has transformers' gradient checkpointing on ({_some(flagged)}; turned on by "
+            "activation_/gradient_checkpointing_enable, remat.enable or Trainer), so a profile "
+            f"would see a step in which no option frees more; call model.{switch}() first, then plan and apply the "
+            "plan instead: it does the checkpointing.")
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def forward_mismatch(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
     """Why ``model(*args, **kwargs)`` does not fit ``model.forward``'s signature, in a phrase naming the forward
     and the argument ('' if it fits or the signature cannot be read).
@@ -261,7 +299,7 @@ def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
                 text = (f"remat.profile: {name}'s output has no .loss and no loss_fn was given, so the profile "
                         "backpropagates the sum of its outputs; pass loss_fn= (e.g. lambda out: "
                         "F.cross_entropy(out, targets)) to profile your training loss.")
-            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=2)
+            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=user_stacklevel())
         return default_loss(output)
 
     return loss
@@ -300,9 +338,7 @@ def plan(
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
-    if any(isinstance(m, ActivationWrapper) or checkpointed_runs(m) for m in model.modules()):
-        raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
-                         "(plan.remove(model)) so the profile sees the step without checkpointing.")
+    refuse_checkpointed(model, "remat.plan")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
                    **example_kwargs)
     return prof.plan(budget, allow)
