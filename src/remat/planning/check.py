@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import statistics
 import warnings
@@ -46,8 +47,9 @@ class StepCheck:
 
     ``peak`` and ``unplanned_peak``: bytes above parameters and buffers at the step's peak; ``time`` and
     ``unplanned_time``: device seconds of the forward and backward; ``max_grad_diff``: the largest absolute
-    difference between the two copies' gradients.  ``grads_equal``: bitwise equal, or, for a plan that computes
-    the output layer and loss in several chunks (``Plan.head_chunks``), within :func:`remat.chunked_tolerance`.
+    difference between the two copies' gradients.  ``grads_equal``: bitwise equal (NaNs in the same places count
+    as equal), or, for a plan that computes the output layer and loss in several chunks (``Plan.head_chunks``),
+    within :func:`remat.chunked_tolerance`; ``loss`` and ``unplanned_loss``: each copy's loss.
     """
 
     step: int
@@ -57,6 +59,8 @@ class StepCheck:
     unplanned_time: float
     grads_equal: bool
     max_grad_diff: float
+    loss: float = 0.0
+    unplanned_loss: float = 0.0
 
 
 @dataclass
@@ -100,9 +104,14 @@ class PlanCheck:
         return all(row.grads_equal for row in self.rows)
 
     @property
+    def losses_equal(self) -> bool:
+        """Every step's loss is the same with and without the plan (NaN on both sides counts as the same)."""
+        return all(_same_value(row.loss, row.unplanned_loss) for row in self.rows)
+
+    @property
     def holds(self) -> bool:
-        """Every step peaked within ``peak_tolerance`` of the prediction, with gradients bitwise equal."""
-        return bool(self.rows) and self.peaks_hold and self.grads_equal
+        """Every step peaked within ``peak_tolerance`` of the prediction, with losses and gradients bitwise equal."""
+        return bool(self.rows) and self.peaks_hold and self.grads_equal and self.losses_equal
 
     @property
     def extra_time(self) -> float:
@@ -148,13 +157,35 @@ class PlanCheck:
                 reasons.append(f"{steps} peaked off the predicted {predicted} above parameters by more than "
                                f"{allowed} (step {first.step}: {format_bytes(first.peak)}, "
                                f"{self.peak_error(first):+.1%})")
-            differing = [row for row in self.rows if not row.grads_equal]
-            if differing:
-                worst = max(row.max_grad_diff for row in differing)
-                reasons.append(f"gradients differ from the unplanned model's at {_steps(differing)} "
-                               f"(max |Δ| {worst:.3g})")
+            reasons.extend(self._loss_and_grad_reasons())
             head = "the plan does not hold: " + "; ".join(reasons or ["no step was run"])
+        diverged = [row for row in self.rows if not math.isfinite(row.unplanned_loss)]
+        if diverged:  # the training itself diverges: what the check compared is NaN / inf with or without the plan
+            first = diverged[0]
+            head += (f"; without the plan too the loss is {first.unplanned_loss} from step {first.step}: the training "
+                     "diverges (learning rate, inputs, loss), which no plan causes or fixes")
         return f"{head}; {self._time_clause()}" if self.rows else head
+
+    def _loss_and_grad_reasons(self) -> list[str]:
+        """Why the planned copy did not train as the unplanned one: its loss first (NaN, or another value),
+        then its gradients."""
+        reasons = []
+        lost = [row for row in self.rows if not math.isfinite(row.loss) and math.isfinite(row.unplanned_loss)]
+        if lost:
+            first = lost[0]
+            reasons.append(f"under the plan the loss is {first.loss} at {_steps(lost)} where without it it is "
+                           f"{first.unplanned_loss:.6g}")
+        apart = [row for row in self.rows if row not in lost and not _same_value(row.loss, row.unplanned_loss)]
+        if apart:
+            first = apart[0]
+            reasons.append(f"the loss differs from the unplanned model's at {_steps(apart)} (step {first.step}: "
+                           f"{first.loss:.9g} vs {first.unplanned_loss:.9g})")
+        differing = [row for row in self.rows if not row.grads_equal]
+        if differing:
+            worst = max(row.max_grad_diff for row in differing)
+            reasons.append(f"gradients differ from the unplanned model's at {_steps(differing)} "
+                           f"(max |Δ| {worst:.3g})")
+        return reasons
 
     def _time_clause(self) -> str:
         measured, predicted = self.extra_time * 1e3, self.predicted_extra_time * 1e3
@@ -186,6 +217,10 @@ def grads_cell(row: StepCheck) -> str:
     if row.grads_equal and row.max_grad_diff:
         return f"within tolerance (max |Δ| {row.max_grad_diff:.3g})"
     return "equal" if row.grads_equal else f"max |Δ| {row.max_grad_diff:.3g}"
+
+
+def _same_value(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _steps(rows: list[StepCheck]) -> str:
@@ -253,7 +288,8 @@ def check_plan(
         measured = {id(run): run.step(loss_of, inputs, input_kwargs, seed + step, clock) for run in order}
         base, under_plan = (measured[id(run)] for run in runs)
         equal, diff = _compare(base.grads, under_plan.grads, plan.head_chunks > 1)
-        row = StepCheck(step, under_plan.peak, base.peak, under_plan.seconds, base.seconds, equal, diff)
+        row = StepCheck(step, under_plan.peak, base.peak, under_plan.seconds, base.seconds, equal, diff,
+                        under_plan.loss, base.loss)
         rows.append(row)
         for run in runs:
             run.optimizer.step()
@@ -291,6 +327,7 @@ class _Measured:
     peak: int
     seconds: float
     grads: list[torch.Tensor | None]
+    loss: float
 
 
 class _Run:
@@ -302,9 +339,11 @@ class _Run:
         self.params = list(model.parameters())  # the same order in both copies: wrappers add no parameters
         self.optimizer = make_optimizer(self.params)
 
-    def _pass(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int) -> None:
+    def _pass(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        loss_of(self.model(*inputs, **kwargs)).backward()
+        loss = loss_of(self.model(*inputs, **kwargs))
+        loss.backward()
+        return loss.detach()
 
     def warm_up(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int,
                 clock: Clock) -> None:
@@ -316,8 +355,8 @@ class _Run:
     def step(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int, clock: Clock
              ) -> _Measured:
         """One forward and backward: its peak above parameters, its device seconds, the gradients it left."""
-        def run() -> None:
-            self._pass(loss_of, inputs, kwargs, seed)
+        def run() -> torch.Tensor:
+            return self._pass(loss_of, inputs, kwargs, seed)
 
         for p in self.params:
             p.grad = None  # before measuring: the last step's gradients are no part of this step's peak
@@ -326,21 +365,26 @@ class _Run:
             stats.synchronize(clock.device)
             stats.reset_peak_memory_stats(clock.device)
             start = stats.memory_allocated(clock.device)
-            _, seconds, _ = clock.time(run)
+            loss, seconds, _ = clock.time(run)
             peak = stats.max_memory_allocated(clock.device) - start
-            return _Measured(peak, seconds, [p.grad for p in self.params])
+            return _Measured(peak, seconds, [p.grad for p in self.params], _scalar(loss))
         peak = measure_step(run, self.model).peak_above_params
         grads = [p.grad for p in self.params]
         buffers = [b.clone() for b in self.model.buffers()]  # a forward in training may update them (batch norm)
         for p in self.params:
             p.grad = None
-        _, seconds, _ = clock.time(run)  # the same pass again, from the same weights and seed, untracked
+        loss, seconds, _ = clock.time(run)  # the same pass again, from the same weights and seed, untracked
         with torch.no_grad():
             for buffer, before in zip(self.model.buffers(), buffers):
                 buffer.copy_(before)
         for p, grad in zip(self.params, grads):
             p.grad = grad
-        return _Measured(peak, seconds, grads)
+        return _Measured(peak, seconds, grads, _scalar(loss))
+
+
+def _scalar(loss: torch.Tensor) -> float:
+    """The loss as a number (its sum where the loss function returned more than one)."""
+    return float(loss.float().sum())
 
 
 def _allocator(device: torch.device) -> Any:
@@ -365,8 +409,12 @@ def _compare(expected: list[torch.Tensor | None], got: list[torch.Tensor | None]
         if a.shape != b.shape:
             return False, float("inf")
         if not torch.equal(a, b):
-            difference = (a.double() - b.double()).abs().max().item()
-            scale = a.double().abs().max().item()
+            both_nan = a.isnan() & b.isnan()
+            if bool(((a == b) | both_nan).all()):  # NaN where the other copy has NaN: the same gradient
+                continue
+            apart = (a.double() - b.double()).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=float("inf"))
+            difference = apart.max().item()
+            scale = a.double().abs().masked_fill(both_nan, 0.0).max().item()
             equal = equal and chunked and difference <= chunked_tolerance(a.dtype) * scale
             worst = max(worst, difference)
     return equal, worst

@@ -66,9 +66,11 @@ from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import resolve_blocks
 from .overheads import Overheads, measure_overheads
-from .timecache import TimingCache, timings_cache
+from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
+from .untouched import left_as_found
+from .userline import user_stacklevel
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
 
@@ -137,6 +139,9 @@ class BlockGraph:
     estimated: bool
     overheads: Overheads
     asynchronous: bool = False
+    # An op writes in place to one of the block's inputs: a region starting at this block would rerun from
+    # the written input (the engine refuses it), so only a region that makes the input itself may hold it.
+    writes_input: bool = False
 
     @property
     def keep_all_bytes(self) -> int:
@@ -183,6 +188,7 @@ class OpProfile:
     blocks: dict[str, BlockGraph]
     device: str
     notes: list[str] = field(default_factory=list)
+    step_time: float | None = None  # the step time the op times go with, when given a reference_step
 
     @property
     def distinct(self) -> list[BlockGraph]:
@@ -232,6 +238,7 @@ class _BlockRecord:
         self.last_pack = 0
         self.input_saved: set[int] = set()
         self.input_sizes: dict[int, int] = {}
+        self.writes_input = False
         self.done = False
         for t in _tensors((args, kwargs)):
             storage = t.untyped_storage()
@@ -332,6 +339,8 @@ class _Recorder(TorchDispatchMode):
                 if where is not None and where >= 0:
                     writes.add(record.lives[where].producer)
                     record.nodes[record.lives[where].producer]["mutated"] = True
+                elif where is not None:
+                    record.writes_input = True
         outputs = _tensors(out)
         if kind == "compute":
             for t in outputs:
@@ -373,21 +382,46 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
 
     Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     """
-    module, args, kwargs = record.module, record.args, record.kwargs
-    clock = Clock(device_of(_tensors((args, kwargs, list(module.parameters())))))
+    module = record.module
+    clock = Clock(device_of(_tensors((record.args, record.kwargs, list(module.parameters())))))
 
     def keep_nothing() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
 
     held = _Held()
+    inputs: list[tuple[tuple, dict]] = []
+
+    def prepare() -> None:
+        inputs[:] = [_fresh_copies((record.args, record.kwargs))]
 
     def forward() -> None:
+        args, kwargs = inputs.pop()
         module(*args, **kwargs)
         held.clear()  # no backward runs here: drop what autograd saved (see _Held)
 
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
-        return time_ops(forward, n, clock, repeats, keep_nothing, record.name)
+        return time_ops(forward, n, clock, repeats, keep_nothing, record.name, prepare)
+
+
+def _fresh_copies(tree: Any) -> Any:
+    """Copies of a block's recorded inputs for one timed run, made as its forward met them: a block that
+    writes in place to an input (``nn.ReLU(inplace=True)`` as a layer of its own, ``x[:, :4].mul_(2)``)
+    writes to its copy, which, where the input needs grad, is an autograd result like the activation it
+    stands for, not a leaf that autograd refuses to let change.  One copy per tensor object, so arguments
+    passed twice stay one tensor."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in copies:  # strides kept: a sliced input stays one, and ops on it stay the same ops
+            fresh = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            with torch.enable_grad():
+                copies[id(x)] = fresh.copy_(x.detach().requires_grad_(x.requires_grad))
+        return copies[id(x)]
+
+    return tree_map(copy, tree)
 
 
 def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
@@ -415,13 +449,14 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
     structure = repr((type(record.module).__qualname__, inputs, record.input_saved,
                       [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated)
                        for n in nodes],
-                      storages, record.packs, record.packs_needing_grad, record.last_pack))
+                      storages, record.packs, record.packs_needing_grad, record.last_pack, record.writes_input))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
         input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
         saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
         forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
+        writes_input=record.writes_input,
     )
 
 
@@ -434,6 +469,7 @@ def profile_ops(
     throughput: float = 100e12,
     bandwidth: float = 2e12,
     overheads: Overheads | None = None,
+    reference_step: StepTime | None = None,
     **example_kwargs: Any,
 ) -> OpProfile:
     """Record the op graph of every candidate block of ``model`` on ``example_inputs`` (one forward).
@@ -447,7 +483,9 @@ def profile_ops(
     costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
     times are estimated, and copies at ``bandwidth``, read plus write).  The RNG
-    state is left as it was.
+    state is left as it was.  ``reference_step``: this process's training step
+    time, against which cached times are checked (:func:`~remat.planning.timecache.stale`);
+    the result's ``step_time`` is then the step time the op times go with.
 
     Example:
         >>> model = remat.models.GPT()
@@ -487,7 +525,7 @@ def profile_ops(
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
-        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
+        with left_as_found(model), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
                 model(*example_inputs, **example_kwargs)
             recorder.held.clear()
@@ -506,40 +544,43 @@ def profile_ops(
                         cache.put("overheads", "", device, dataclasses.asdict(overheads))
                     if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                         overheads = replace(overheads, copy_per_byte=2 / bandwidth)
-                graphs = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device)
+                graphs, step_time = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device,
+                                            reference_step, model_key(model, tensors))
     finally:
         for handle in handles:
             handle.remove()
     missing = [name for name, _ in blocks if name not in graphs]
     notes = [f"{', '.join(missing)} did not run in the forward; no graph"] if missing else []
     device = str(next(iter(tensors)).device) if tensors else "cpu"
-    return OpProfile(blocks=graphs, device=device, notes=notes)
+    return OpProfile(blocks=graphs, device=device, notes=notes, step_time=step_time)
 
 
 def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
-            measure_policy: bool, cache: TimingCache, device: str) -> dict[str, BlockGraph]:
-    by_signature: dict[str, BlockGraph] = {}
-    graphs = {}
+            measure_policy: bool, cache: TimingCache, device: str, step: StepTime | None, key: str
+            ) -> tuple[dict[str, BlockGraph], float | None]:
+    """Every block's graph (blocks of one signature share one) timed from the cache or measured, and the step
+    time those times go with (None without a ``step``)."""
+    graphs: dict[str, BlockGraph] = {}
+    timed: dict[str, tuple[BlockGraph, _BlockRecord]] = {}  # per signature: the graph its blocks share, the one timed
     for name, record in records.items():
         graph = _graph(record, estimated, overheads)
-        shared = by_signature.get(graph.signature)
-        if shared is None:
-            if not estimated:
-                cached = cache.get("ops", graph.signature, device)
-                if cached is None:
-                    measured = _steady_times(record, len(graph.nodes), repeats)
-                    cached = cache.put("ops", graph.signature, device, dataclasses.asdict(measured))
-                timing = OpTimes(**cached)
-                graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
-                               for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
-                graph.forward_time = timing.forward
-                graph.asynchronous = timing.asynchronous
-                if measure_policy:
-                    graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
-                                              policy_replay=timing.policy_replay)
-            shared = by_signature[graph.signature] = graph
-        graphs[name] = shared
-    return graphs
+        graphs[name] = timed.setdefault(graph.signature, (graph, record))[0]
+    if estimated:
+        return graphs, None
+    times, step_time = cached_times(
+        cache, device, {name: g.signature for name, g in graphs.items()}, step, key, _unsteady(),
+        lambda signature: dataclasses.asdict(_steady_times(timed[signature][1], len(timed[signature][0].nodes),
+                                                           repeats)))
+    for signature, (graph, _) in timed.items():
+        timing = OpTimes(**times[signature])
+        graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
+                       for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
+        graph.forward_time = timing.forward
+        graph.asynchronous = timing.asynchronous
+        if measure_policy:
+            graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
+                                      policy_replay=timing.policy_replay)
+    return graphs, step_time
 
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
@@ -551,11 +592,7 @@ def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
         if timing.spread > limit:
             warnings.warn(UnsteadyTimings(
                 f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
-                "(is the machine busy?); plans priced from these times may differ from run to run. Profile on a "
-                "quieter machine, or again with fresh timings (remat.profile(..., fresh_timings=True), "
-                "remat plan --fresh-timings)."), stacklevel=4)
+                "(is the machine busy?); plans priced from these times may differ from run to run, and they are "
+                "not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
     return pooled(timing, record.work)
 
-
-def _rng_devices(tensors: list[torch.Tensor]) -> list[int]:
-    return sorted({t.get_device() for t in tensors if t.device.type == "cuda"})

@@ -36,8 +36,9 @@ from torch import nn
 from ..engine.replay import tensor_leaves
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices
+from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
-from .timing import Clock, device_of
+from .timing import Clock, device_of, spread
 from .units import format_bytes
 
 __all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure"]
@@ -57,7 +58,8 @@ class ModuleProfile:
     forward's peak and at that peak when it saved its last tensor (absolute, so that a run of blocks reads
     its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
     costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
-    block inside a region reruns them for the next one).
+    block inside a region reruns them for the next one).  ``writes_input``: the block writes in place to an
+    input, so no region may start at it (only keep it, or run it inside a region that starts earlier).
     """
 
     name: str
@@ -78,6 +80,7 @@ class ModuleProfile:
     save_peak: int = 0
     region_time: float = 0.0
     tail_time: float = 0.0
+    writes_input: bool = False
 
     @property
     def recompute_time(self) -> float:
@@ -200,6 +203,9 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     if prof.ops is None:
         prof.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
                                throughput=throughput, **example_kwargs)
+    for row in prof.rows:
+        graph = prof.ops.blocks.get(row.name)
+        row.writes_input = graph is not None and graph.writes_input
     return prof
 
 
@@ -227,7 +233,9 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
         for p, g in zip(params, saved_grads):
             p.grad = g
     ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
-                      **example_kwargs)
+                      reference_step=step_time, **example_kwargs)
+    # the step the op times were measured with (cached with them): a plan's "+N%" reads alike in every process
+    step_time = ops.step_time or step_time.seconds
     timeline, probe, meter, grad_bytes = traced
     n = len(blocks)
     forward_time, matmul_time, checkpoint_time, selective_time = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
@@ -255,15 +263,16 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
 
 
 def _time_steps(model: nn.Module, step: Callable[[], torch.Tensor], rounds: int, params: list[nn.Parameter]
-                ) -> float:
-    """The median device seconds of ``rounds`` training steps without checkpointing (one synchronize each)."""
+                ) -> StepTime:
+    """The device seconds of ``rounds`` training steps without checkpointing (one synchronize each): their
+    median and spread."""
     clock = Clock(device_of(params))
     times = []
     for _ in range(rounds):
         times.append(clock.time(lambda: step().backward())[1])
         for p in params:
             p.grad = None
-    return statistics.median(times)
+    return StepTime(statistics.median(times), spread(times))
 
 
 def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
@@ -276,8 +285,14 @@ def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs:
             "remat.profile(device='meta'): put the model and the inputs on the meta device first, e.g. build "
             "the model under `with torch.device('meta'):` and create inputs with device='meta'."
         )
+    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks)
+    for p in params:
+        p.grad = None
+    # FLOPs in a step of their own: the counter's module hooks pass tensors through autograd functions of
+    # their own, which keep some alive longer in backward (a SiLU layer's backward held 20 MiB more).
     flops = FlopCounterMode(display=False)
-    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks, flops)
+    with flops:
+        step().backward()
     for p in params:
         p.grad = None
     counts = flops.get_flop_counts()

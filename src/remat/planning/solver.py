@@ -49,7 +49,7 @@ from .plan import Plan
 from .profile import StepProfile
 from .units import Budget, format_bytes, parse_budget
 
-__all__ = ["InfeasibleBudget", "plan_from_profile", "predict", "predict_peak"]
+__all__ = ["InfeasibleBudget", "cheapest", "plan_from_profile", "plan_of", "predict", "predict_peak"]
 
 
 class InfeasibleBudget(ValueError):
@@ -57,11 +57,12 @@ class InfeasibleBudget(ValueError):
 
     ``budget`` and ``smallest`` are whole-step peaks in bytes (parameters and buffers included, as
     ``Plan.predicted_peak``); ``smallest`` is the lowest peak any plan reaches. The message states both above
-    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.
+    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.  ``writing``
+    names the blocks that write in place to their inputs, which no region may start at.
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
-                 requested: object = None, nothing_frees: bool = False) -> None:
+                 requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = ()) -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
         asked = ""
         if isinstance(requested, float):
@@ -85,6 +86,11 @@ class InfeasibleBudget(ValueError):
             advice = ("No option of these blocks frees memory (a block checkpointed alone keeps its inputs, all "
                       "that a single layer saves); name larger blocks with modules=[...], or reduce the batch / "
                       "sequence length.")
+        if writing:
+            shown = ", ".join(writing[:3]) + (f" and {len(writing) - 3} more" if len(writing) > 3 else "")
+            advice = (f"{shown} write in place to their inputs, so none can be checkpointed on its own (it would "
+                      "rerun from the written input): write to a copy in their forward (x = x.clone()), or name "
+                      f"larger blocks with modules=[...]. {advice if not nothing_frees else ''}").rstrip()
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
             f"{both(smallest)}. {advice}"
@@ -442,7 +448,7 @@ def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     accounting = _Accounting(prof)
     while low < high:
         middle = (low + high) // 2
-        if _cheapest(prof, middle, options, with_cost=False, accounting=accounting) is not None:
+        if cheapest(prof, middle, options, with_cost=False, accounting=accounting) is not None:
             high = middle
         else:
             low = middle + 1
@@ -475,11 +481,26 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    placed = _cheapest(prof, budget_bytes, options)
+    placed = cheapest(prof, budget_bytes, options)
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
-                              prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes)
+                              prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes,
+                              writing=[row.name for row in prof.rows if row.writes_input])
+    return plan_of(prof, placed, budget_bytes)
+
+
+def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget: int) -> Plan:
+    """The :class:`Plan` that runs each option of ``placed`` (the block its run starts at, the option) and keeps
+    every block no run covers, priced by the cost model; ``budget``: the whole-step bytes it was made for.
+
+    Example:
+        >>> options = chain_options(prof)
+        >>> plan = plan_of(prof, [(0, options[0][1])], prof.peak_bytes)   # checkpoint the first block only
+    """
+    covered = {q for p, o in placed for q in range(p, p + o.span)}
+    placed = sorted([*placed, *((q, BlockOption("keep", row.own_bytes)) for q, row in enumerate(prof.rows)
+                                if q not in covered)], key=lambda item: item[0])
     chosen = [o for _, o in placed]
     decisions, blocks, segments, policies, wrappers = {}, {}, [], {}, {}
     for p, o in placed:
@@ -496,7 +517,7 @@ def plan_from_profile(
         decisions=decisions,
         predicted_peak=_peak(prof, chosen),
         predicted_extra_time=sum(o.extra_time for o in chosen),
-        budget=budget_bytes,
+        budget=budget,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
         step_time=prof.step_time,
@@ -508,13 +529,16 @@ def plan_from_profile(
     return result
 
 
-def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
+def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
               accounting: _Accounting | None = None) -> list[tuple[int, BlockOption]] | None:
-    """The cheapest options that fit ``budget``, each with the block its run starts at, or None.
+    """The cheapest options that fit ``budget`` (whole-step bytes), each with the block its run starts at, or None.
 
     The offload hooks' window is one for the whole step (the largest ``in_flight`` among the chosen options),
     which the chain's sums cannot express: for each window an option may bring, the plans whose options bring
     no larger one are solved under the budget less it, and the cheapest of those that fit is the optimum.
+
+    Example:
+        >>> placed = cheapest(prof, prof.peak_bytes // 2, chain_options(prof))
     """
     windows = sorted({o.in_flight for choices in options for o in choices} | {0})
     found = []
