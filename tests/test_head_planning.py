@@ -126,3 +126,12 @@ def test_check_plan_holds_within_the_chunked_tolerance(profiled):
     result = remat.check_plan(model, plan, input_ids=ids, labels=ids, steps=2)
     assert result.holds, result.verdict()
     assert "chunks add in another order" in result.verdict()
+
+
+def test_alternatives_include_the_chunked_head(profiled):
+    _, _, prof = profiled
+    plans = prof.alternatives(0.3, count=3)
+    first = prof.plan(0.3)
+    assert plans[0].decisions == first.decisions and plans[0].head_chunks == first.head_chunks > 0
+    assert [p.predicted_extra_time for p in plans] == sorted(p.predicted_extra_time for p in plans)
+    assert all(p.predicted_peak <= p.budget for p in plans)

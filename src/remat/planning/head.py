@@ -15,7 +15,7 @@ the chunked head reaches is planned with it instead of refused.  The plan record
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,6 +23,8 @@ from torch import nn
 
 from ..api.chunkedhead import chunk_lm_head, lm_head_chunks, lm_head_refusal, unchunk_lm_head
 from ..api.chunkedloss import chunked_lm_loss
+from .alternatives import plans_near
+from .options import DEFAULT_ALLOW
 from .plan import Plan
 from .profile import StepProfile, _assemble
 from .solver import InfeasibleBudget, plan_from_profile
@@ -30,7 +32,7 @@ from .timeline import _trace
 from .timing import Clock
 from .units import Budget, parse_budget
 
-__all__ = ["HeadOption", "head_chunk_count", "measure_head", "plan_with_head"]
+__all__ = ["HeadOption", "alternatives_with_head", "head_chunk_count", "measure_head", "plan_with_head"]
 
 
 @dataclass
@@ -122,24 +124,46 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
     Example:
         >>> plan = plan_with_head(prof, prof.head, "20%")
     """
+    def solve(profile: StepProfile, whole: Budget) -> list[Plan]:
+        return [plan_from_profile(profile, whole) if allow is None else plan_from_profile(profile, whole, allow)]
+
+    return min(_on_both(prof, head, budget, solve), key=lambda made: made.predicted_extra_time)
+
+
+def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
+                           count: int, allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
+    """Up to ``count`` distinct plans that fit ``budget``, without and with the chunked head, cheapest predicted
+    first (:func:`~remat.planning.alternatives.plans_near` on each timeline).
+
+    Example:
+        >>> plans = alternatives_with_head(prof, prof.head, "20%", count=3)
+    """
+    found = _on_both(prof, head, budget, lambda profile, whole: plans_near(profile, whole, count, allow))
+    return sorted(found, key=lambda made: made.predicted_extra_time)[:count]
+
+
+def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
+             solve: Callable[[StepProfile, Budget], list[Plan]]) -> list[Plan]:
+    """The plans ``solve`` makes on the step's timeline and on the chunked head's, the budget read against the
+    step without a plan; refused only when neither timeline fits it."""
     parsed = parse_budget(budget)
     fixed = prof.param_bytes + prof.buffer_bytes
     budget_bytes = parsed.bytes_for(fixed, prof.peak_above_params)
     found, refusals = [], []
     for profile, option in ((prof, None), *(((head.profile, head),) if head is not None else ())):
         try:
-            whole = Budget(nbytes=budget_bytes)  # read against the step without a plan, whichever timeline
-            made = plan_from_profile(profile, whole) if allow is None else plan_from_profile(profile, whole, allow)
+            made = solve(profile, Budget(nbytes=budget_bytes))
         except InfeasibleBudget as refusal:
             refusals.append(refusal)
             continue
-        if option is not None:
-            made.head_chunks = option.chunks
-            made.predicted_extra_time += option.extra_time
-            made.baseline_peak = prof.peak_bytes
-        found.append(made)
+        for plan in made:
+            if option is not None:
+                plan.head_chunks = option.chunks
+                plan.predicted_extra_time += option.extra_time
+                plan.baseline_peak = prof.peak_bytes
+        found.extend(made)
     if found:
-        return min(found, key=lambda made: made.predicted_extra_time)
+        return found
     requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
     smallest = min(refusal.smallest for refusal in refusals)
     raise InfeasibleBudget(budget_bytes, smallest, fixed, prof.peak_above_params, requested,

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from ..api.sequential import checkpointed_runs
-from .alternatives import plan_for, plans_near
+from .alternatives import plan_for
 from .discovery import chain_links, resolve_blocks
-from .head import HeadOption, measure_head, plan_with_head
+from .head import HeadOption, alternatives_with_head, measure_head, plan_with_head
 from .inputs import describe_inputs
 from .kvcache import cache_off
 from .metadata import MetaData, MetaKernels, NeedsRealData
@@ -85,13 +85,14 @@ class Profile(StepProfile):
                      allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
         """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first, the first being
         :meth:`plan`'s: the runners-up a run on a machine whose timings moved might pick, to check them all
-        (:func:`~remat.planning.alternatives.plans_near`).
+        (:func:`~remat.planning.alternatives.plans_near`, with the chunked head's timeline too where the profile
+        has one: :mod:`remat.planning.head`).
 
         Example:
             >>> for p in prof.alternatives("50%", count=3):
             ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
         """
-        return [self._for_this_model(p) for p in plans_near(self, budget, count, allow)]
+        return [self._for_this_model(p) for p in alternatives_with_head(self, self.head, budget, count, allow)]
 
     def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
         """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
