@@ -152,7 +152,8 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
     found, refusals = [], []
     for profile, option in ((prof, None), *(((head.profile, head),) if head is not None else ())):
         try:
-            made = solve(profile, Budget(nbytes=budget_bytes))
+            # the chunked head's timeline is given the bytes the budget comes to on the step without a plan
+            made = solve(profile, parsed if option is None else Budget(nbytes=budget_bytes))
         except InfeasibleBudget as refusal:
             refusals.append(refusal)
             continue
@@ -164,7 +165,9 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
         found.extend(made)
     if found:
         return found
-    requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
     smallest = min(refusal.smallest for refusal in refusals)
+    if smallest == refusals[0].smallest:  # the step's own refusal says it all, its reasons included
+        raise refusals[0]
+    requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
     raise InfeasibleBudget(budget_bytes, smallest, fixed, prof.peak_above_params, requested,
-                           nothing_frees=all(r.smallest >= prof.peak_bytes for r in refusals)) from refusals[0]
+                           writing=[row.name for row in prof.rows if row.writes_input]) from refusals[0]
