@@ -43,8 +43,9 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from .baselines import rules
 from .chain import chain_options
-from .options import DEFAULT_ALLOW, BlockOption
+from .options import DEFAULT_ALLOW, BlockOption, step_extra_time
 from .plan import Plan
 from .profile import StepProfile
 from .units import Budget, format_bytes, parse_budget
@@ -291,7 +292,7 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
     if sum(o.span for o in chosen) != len(prof.rows):
         raise ValueError(f"remat.plan: the options cover {sum(o.span for o in chosen)} blocks; the profile has "
                          f"{len(prof.rows)}.")
-    return _peak(prof, chosen), sum(o.extra_time for o in chosen)
+    return _peak(prof, chosen), step_extra_time(prof, chosen)
 
 
 def _in_flight(chosen: Sequence[BlockOption]) -> int:
@@ -299,13 +300,13 @@ def _in_flight(chosen: Sequence[BlockOption]) -> int:
     return max((o.in_flight for o in chosen), default=0)
 
 
-def _peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
-    return _chain_peak(prof, chosen) + _in_flight(chosen)
+def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
+    return _chain_peak(prof, chosen, accounting) + _in_flight(chosen)
 
 
-def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
+def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
     """The peak of one option per run of blocks (``chosen`` in order, spans covering the chain)."""
-    accounting = _Accounting(prof)
+    accounting = accounting or _Accounting(prof)
     peak, freed, mask, p = 0, 0, 0, 0
     steps = iter(chosen)
     while True:
@@ -475,7 +476,7 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    placed = _cheapest(prof, budget_bytes, options)
+    placed = _no_worse_than_rules(prof, budget_bytes, options, _cheapest(prof, budget_bytes, options))
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
@@ -495,7 +496,7 @@ def plan_from_profile(
     result = Plan(
         decisions=decisions,
         predicted_peak=_peak(prof, chosen),
-        predicted_extra_time=sum(o.extra_time for o in chosen),
+        predicted_extra_time=step_extra_time(prof, chosen),
         budget=budget_bytes,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
@@ -524,6 +525,20 @@ def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], 
         if indices is not None:
             found.append([(p, candidates[p][i]) for p, i in indices])
     return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
+
+
+def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
+                         placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
+    """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
+    much time and less memory: the search merges states of many shared storages on the safe side and breaks
+    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model."""
+    accounting = _Accounting(prof)
+    candidates = [] if placed is None else [placed]
+    for rule in rules(options):
+        if _peak(prof, rule.chosen, accounting) <= budget:
+            candidates.append(list(enumerate(rule.chosen)))
+    return min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
+                                                        _peak(prof, [o for _, o in c], accounting)))
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
