@@ -66,11 +66,14 @@ def test_every_input_but_the_last_regions_travels_and_is_back_before_backward_ne
     assert len(_wrapped(model)) == 6
     # The last region keeps its inputs: backward needs them first, before any copy back could have run.
     assert [b.checkpoint_fn.keywords.get("offload_inputs") for b in model.blocks] == [0] * 5 + [None]
-    fetch, ready = engine.fetch, []
+    fetch, ready, coming = engine.fetch, [], []
 
     def watched(handle, prefetch=0):
         ready.append(handle.on_device is not None or handle.in_flight is not None)
-        return fetch(handle, prefetch)
+        tensor = fetch(handle, prefetch)
+        if isinstance(engine.device, FakeDevice):  # copies back started so far
+            coming.append(len([c for c in engine.device.copies if not c.to_host]))
+        return tensor
 
     engine.fetch = watched
     x = torch.randn(8, 32)
@@ -84,6 +87,7 @@ def test_every_input_but_the_last_regions_travels_and_is_back_before_backward_ne
         # The last region that moved its inputs is backward's first to need them: still held on the device,
         # they make no round trip; every other one was on its way back when its region's backward began.
         assert all(ready) and len([c for c in fake.copies if not c.to_host]) == 4
+        assert coming == [1, 2, 3, 4, 4]  # each fetch starts the previous region's: one region ahead, no more
         back = [c.source_ptr for c in fake.copies if not c.to_host]
         assert back == [c.dst_ptr for c in fake.copies if c.to_host][:4][::-1]  # in backward order
 
@@ -122,3 +126,33 @@ def test_bad_values_are_refused_in_one_line():
         remat.checkpoint(block, x, use_reentrant=True, offload_inputs=True)
     with pytest.raises(ValueError, match="offload_inputs needs the default checkpoint_wrapper_fn"):
         remat.apply_activation_checkpointing(Chain(), checkpoint_wrapper_fn=lambda m: m, offload_inputs=True)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_a_plan_that_checkpoints_with_offloaded_inputs_trains_as_plain_autograd(tmp_path, optimizer):
+    """The plan option installs checkpoint(offload_inputs=True): inputs of a MiB and more go (here 1 MiB)."""
+    torch.manual_seed(0)
+    plain = Chain(depth=4, width=64)
+    x = torch.randn(4096, 64)
+    prof = remat.profile(copy.deepcopy(plain), x, loss_fn=lambda loss: loss, repeats=1, ops=False)
+    plan = prof.plan(2 * prof.peak_bytes)
+    plan.decisions.update({f"blocks.{i}": "checkpoint_offload" for i in range(3)})
+    plan.save(tmp_path / "plan.json")
+    model = remat.Plan.load(tmp_path / "plan.json").apply(copy.deepcopy(plain))
+    assert [b.checkpoint_fn.keywords.get("offload_inputs") for b in model.blocks[:3]] == [True] * 3
+    device = FakeDevice(d2h_bytes_per_s=float("inf"))
+    with use_device_model("cpu", device):
+        runs = []
+        for net in (plain, model):
+            opt = OPTIMIZERS[optimizer](net.parameters())
+            steps = []
+            for _ in range(3):
+                loss = net(x)
+                loss.backward()
+                steps.append((loss.detach(), [p.grad.clone() for p in net.parameters()]))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            runs.append(steps)
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(*runs):
+        assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert len([c for c in device.copies if c.to_host]) == 3 * 3 and not device.calls("host waits")

@@ -96,9 +96,7 @@ def _input_offloader(offload_inputs: bool | int, args: tuple, kwargs: dict) -> o
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     if not inputs:
         return None
-    # Prefetch as many tensors as this region may have moved: the region saved just before it, the one
-    # backward reaches next, comes back while this one's backward runs.
-    return offload(min_bytes=floor, prefetch_depth=len(inputs), device_type=inputs[0].device.type)
+    return offload(min_bytes=floor, device_type=inputs[0].device.type)
 
 
 class _GlobalSwitch:
@@ -215,7 +213,7 @@ def checkpoint(
     offloader = _input_offloader(offload_inputs, args, kwargs)
     # The region saves its inputs before its own hooks take over: the offloader's hooks see those saves only.
     with offloader if offloader is not None else contextlib.nullcontext():
-        return run_nonreentrant(
+        result = run_nonreentrant(
             function,
             args,
             kwargs,
@@ -225,3 +223,10 @@ def checkpoint(
             debug=set_checkpoint_debug_enabled.resolve(debug),
             early_stop=set_checkpoint_early_stop.resolve(early_stop),
         )
+    if offloader is not None:
+        # Its fetch in backward brings back as many tensors as it sent (the region saved just before is run
+        # alike): the previous region's inputs, one region ahead.  Inputs an earlier region sent already (a
+        # mask every layer takes) travel once and are not counted.
+        stats = offloader.stats
+        offloader.prefetch_depth = max(1, stats.offloaded_tensors - stats.shared_tensors)
+    return result

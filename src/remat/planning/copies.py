@@ -115,7 +115,8 @@ def link_for(device: str) -> Link:
         True
     """
     kind = torch.device(device).type
-    if kind in ("cpu", "meta") or not getattr(torch, kind).is_available():
+    available = getattr(getattr(torch, kind, None), "is_available", None)
+    if kind in ("cpu", "meta") or available is None or not available():
         return MODELLED_LINK
     return _cached_link(device)
 
