@@ -159,3 +159,53 @@ def test_profile_front_prints_plans_beside_rules():
     text = str(prof.front(budgets=(0.5,)))
     assert "every-k 4 of 4" in text and "remat" in text and "rule" in text
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_link_is_measured_once_per_process_and_kept_with_the_timings(monkeypatch, tmp_path):
+    from remat.planning import copies
+
+    measured = []
+
+    def measure(device, rounds=5):
+        measured.append(device)
+        return Link(40e9, 45e9)
+
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(copies, "measure_link", measure)
+    copies._cached_link.cache_clear()
+    try:
+        assert copies.link_for("cuda") == copies.link_for("cuda") == Link(40e9, 45e9)
+        assert len(measured) == 1
+        copies._cached_link.cache_clear()  # a new process: the timings file answers
+        assert copies.link_for("cuda") == Link(40e9, 45e9) and len(measured) == 1
+        assert "link|" in (tmp_path / "timings.json").read_text()
+    finally:
+        copies._cached_link.cache_clear()
+
+
+def test_at_equal_memory_the_plan_takes_the_cheaper_placement():
+    prof = _profile(6, 7, device="cpu")
+    for i, row in enumerate(prof.rows):  # equal bytes; the later blocks rerun faster
+        # (a recomputation whose transient is small next to the loss's: it sets the peak nowhere)
+        row.own_bytes, row.held_bytes, row.recompute_bytes = 300 * MIB, 2 * MIB, 50 * MIB
+        row.checkpoint_time = 4e-3 if i < 3 else 1e-3
+    prof.segments = [s for s in prof.segments if s.label.startswith(("forward", "backward"))]
+    live = 0
+    for s in prof.segments:
+        if not s.backward:
+            s.start, s.peak = live, live + 10 * MIB
+            live += 300 * MIB
+    # the loss (logits) holds more than any block: the peak is there, where every checkpointed block's bytes
+    # are freed alike, wherever it sits
+    prof.segments.insert(6, Segment("loss", live + 2000 * MIB, prefix=6, start=live))
+    for s in prof.segments[7:]:
+        s.start, s.peak = live, live + 10 * MIB
+        live -= 300 * MIB
+    prof.peak_bytes = max(s.peak for s in prof.segments)
+    spread_rule = next(r for r in rules(chain_options(prof)) if r.name == "every-k 3 of 6")
+    peak, extra = predict(prof, spread_rule.chosen)
+    plan = plan_from_profile(prof, peak)
+    assert plan.predicted_peak == peak and plan.predicted_extra_time < extra
+    assert list(plan.decisions.values()) == ["keep"] * 3 + ["checkpoint"] * 3

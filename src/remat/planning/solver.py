@@ -553,5 +553,8 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
     if option.policy is not None and option.policy.offloaded_bytes:
         summary["offloaded"] = option.policy.offloaded_bytes
         summary["copy_time"] = option.copy_time
+    elif option.moved:
+        summary["offloaded"] = option.moved
+        summary["copy_time"] = option.copy_time
     return summary
 
