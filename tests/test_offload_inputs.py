@@ -156,3 +156,29 @@ def test_a_plan_that_checkpoints_with_offloaded_inputs_trains_as_plain_autograd(
     for (loss_a, grads_a), (loss_b, grads_b) in zip(*runs):
         assert torch.equal(loss_a, loss_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
     assert len([c for c in device.copies if c.to_host]) == 3 * 3 and not device.calls("host waits")
+
+
+def test_a_second_backward_brings_the_inputs_back_again(engine):
+    torch.manual_seed(0)
+    plain = Chain(depth=3)
+    model = copy.deepcopy(plain)
+    _wrapped(model)
+    x = torch.randn(8, 32)
+    expected = []
+    loss = plain(x)
+    for _ in range(2):
+        expected.append(torch.autograd.grad(loss, list(plain.parameters()), retain_graph=True))
+    loss = model(x)
+    for want in expected:
+        got = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_an_input_changed_in_place_after_forward_is_refused_as_plain_autograd_refuses_it(engine):
+    block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+    h = torch.randn(8, 32, requires_grad=True) * 1  # not a leaf: it travels
+    y = remat.checkpoint(block, h, offload_inputs=0)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified"):
+        y.sum().backward()
