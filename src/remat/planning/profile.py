@@ -57,7 +57,8 @@ class ModuleProfile:
     forward's peak and at that peak when it saved its last tensor (absolute, so that a run of blocks reads
     its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
     costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
-    block inside a region reruns them for the next one).
+    block inside a region reruns them for the next one).  ``writes_input``: the block writes in place to an
+    input, so no region may start at it (only keep it, or run it inside a region that starts earlier).
     """
 
     name: str
@@ -78,6 +79,7 @@ class ModuleProfile:
     save_peak: int = 0
     region_time: float = 0.0
     tail_time: float = 0.0
+    writes_input: bool = False
 
     @property
     def recompute_time(self) -> float:
@@ -200,6 +202,9 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     if prof.ops is None:
         prof.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
                                throughput=throughput, **example_kwargs)
+    for row in prof.rows:
+        graph = prof.ops.blocks.get(row.name)
+        row.writes_input = graph is not None and graph.writes_input
     return prof
 
 
@@ -276,8 +281,14 @@ def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs:
             "remat.profile(device='meta'): put the model and the inputs on the meta device first, e.g. build "
             "the model under `with torch.device('meta'):` and create inputs with device='meta'."
         )
+    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks)
+    for p in params:
+        p.grad = None
+    # FLOPs in a step of their own: the counter's module hooks pass tensors through autograd functions of
+    # their own, which keep some alive longer in backward (a SiLU layer's backward held 20 MiB more).
     flops = FlopCounterMode(display=False)
-    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks, flops)
+    with flops:
+        step().backward()
     for p in params:
         p.grad = None
     counts = flops.get_flop_counts()
