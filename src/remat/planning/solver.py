@@ -21,6 +21,10 @@ option             kept own bytes                               extra time
                    (:mod:`remat.planning.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
+``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory, two blocks'
+inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
+block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.copies`).
+
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
 ``P``; with a plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each
 *shared* storage whose life the plan changes (a mask every layer takes is held once, until the backward
