@@ -215,3 +215,34 @@ def test_gradients_nan_in_the_same_places_are_equal_and_elsewhere_differ():
     assert _compare([torch.tensor([1.0, nan])], [torch.tensor([1.0, nan])]) == (True, 0.0)
     assert _compare([torch.tensor([1.0, nan])], [torch.tensor([1.5, nan])]) == (False, 0.5)
     assert _compare([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, nan])]) == (False, float("inf"))
+
+
+def test_buffers_a_plan_leaves_unequal_fail_the_verdict_by_name():
+    from remat.planning.check import _buffers_differ
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+    planned = copy.deepcopy(plain)
+    remat.apply_activation_checkpointing(planned, check_fn=lambda m: isinstance(m, torch.nn.BatchNorm1d))
+    assert _buffers_differ(plain, planned) == ()
+    with torch.no_grad():
+        planned[2].running_mean += 1.0
+    assert _buffers_differ(plain, planned) == ("2.running_mean",)
+    rows = [StepCheck(1, 100, 200, 0.02, 0.01, True, 0.0, buffers_differ=("2.running_mean",))]
+    result = PlanCheck(rows, predicted_peak=100, predicted_extra_time=0.01, profiled_peak=200, optimizer="sgd",
+                       device="cpu")
+    assert not result.holds and not result.buffers_equal
+    assert "buffers differ from the unplanned model's at step 1 (2.running_mean)" in result.verdict()
+
+
+def test_a_plan_over_batch_norm_leaves_its_statistics_as_plain_training_does():
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(8 * 12 * 12, 4))
+
+    x = torch.randn(16, 3, 12, 12)
+    prof = remat.profile(build(), x, loss_fn=lambda out: out.pow(2).mean(), repeats=1)
+    plan = prof.price({}, segments=[["0", "1", "2"], ["3", "4", "5"]])
+    result = remat.check_plan(build, plan, x, loss_fn=lambda out: out.pow(2).mean(), steps=3, optimizer="sgd")
+    assert result.buffers_equal and result.holds, str(result)

@@ -143,6 +143,7 @@ def _entries(kind: str) -> dict:
 
 
 def test_a_poisoned_cached_timing_is_caught_and_measured_again_with_one_line(monkeypatch):
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
     timed = _scripted(monkeypatch, step_seconds=10e-3)
     _profile()
     measured = len(timed)
@@ -178,6 +179,7 @@ def test_no_timing_from_an_unsteady_round_is_cached(monkeypatch):
 
 
 def test_a_plan_prints_the_share_of_the_step_its_prices_came_from(monkeypatch):
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
     _scripted(monkeypatch, step_seconds=10e-3)
     first = _profile()
     timed = _scripted(monkeypatch, step_seconds=13e-3)  # another process, a little busier: the cache stands

@@ -59,8 +59,14 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
                     found[_key(other)] = other
                     runners_up.append(other)
         frontier = sorted(runners_up, key=_extra_time)
-    ranked = sorted(found.values(), key=_extra_time)[:count]
-    return [plan_of(prof, placed, first.budget) for placed in ranked]
+    others = [plan_of(prof, placed, first.budget) for placed in found.values()]
+    seen = {_shape(first)}
+    ranked = [first]
+    for plan in sorted(others, key=lambda p: (p.predicted_extra_time, p.predicted_peak)):
+        if _shape(plan) not in seen:  # the solver's first may be a rule that equals one found here
+            seen.add(_shape(plan))
+            ranked.append(plan)
+    return ranked[:count]
 
 
 def plan_for(prof: StepProfile, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = (),
@@ -110,4 +116,8 @@ def _key(placed: _Placed) -> tuple:
 
 def _extra_time(placed: _Placed) -> float:
     return sum(o.extra_time for _, o in placed)
+
+
+def _shape(plan: Plan) -> str:
+    return repr((sorted(plan.decisions.items()), plan.segments, sorted(plan.policies.items(), key=lambda kv: kv[0])))
 

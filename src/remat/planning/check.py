@@ -49,7 +49,8 @@ class StepCheck:
     ``unplanned_time``: device seconds of the forward and backward; ``max_grad_diff``: the largest absolute
     difference between the two copies' gradients.  ``grads_equal``: bitwise equal (NaNs in the same places count
     as equal), or, for a plan that computes the output layer and loss in several chunks (``Plan.head_chunks``),
-    within :func:`remat.chunked_tolerance`; ``loss`` and ``unplanned_loss``: each copy's loss.
+    within :func:`remat.chunked_tolerance`; ``loss`` and ``unplanned_loss``: each copy's loss;
+    ``buffers_differ``: the buffers (batch norm's statistics, ...) the two copies' forwards left unequal, by name.
     """
 
     step: int
@@ -61,6 +62,7 @@ class StepCheck:
     max_grad_diff: float
     loss: float = 0.0
     unplanned_loss: float = 0.0
+    buffers_differ: tuple[str, ...] = ()
 
 
 @dataclass
@@ -117,9 +119,16 @@ class PlanCheck:
         return self.head_chunks > 1 and close
 
     @property
+    def buffers_equal(self) -> bool:
+        """After every step the planned copy's buffers equal the unplanned copy's, bitwise."""
+        return not any(row.buffers_differ for row in self.rows)
+
+    @property
     def holds(self) -> bool:
-        """Every step peaked within ``peak_tolerance`` of the prediction, with losses and gradients bitwise equal."""
-        return bool(self.rows) and self.peaks_hold and self.grads_equal and self.losses_equal
+        """Every step peaked within ``peak_tolerance`` of the prediction, with losses, gradients and buffers
+        bitwise equal."""
+        return (bool(self.rows) and self.peaks_hold and self.grads_equal and self.losses_equal
+                and self.buffers_equal)
 
     @property
     def extra_time(self) -> float:
@@ -193,6 +202,11 @@ class PlanCheck:
             worst = max(row.max_grad_diff for row in differing)
             reasons.append(f"gradients differ from the unplanned model's at {_steps(differing)} "
                            f"(max |Δ| {worst:.3g})")
+        moved = [row for row in self.rows if row.buffers_differ]
+        if moved:
+            names = moved[0].buffers_differ
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            reasons.append(f"buffers differ from the unplanned model's at {_steps(moved)} ({shown})")
         return reasons
 
     def _time_clause(self) -> str:
@@ -297,7 +311,7 @@ def check_plan(
         base, under_plan = (measured[id(run)] for run in runs)
         equal, diff = _compare(base.grads, under_plan.grads, plan.head_chunks > 1)
         row = StepCheck(step, under_plan.peak, base.peak, under_plan.seconds, base.seconds, equal, diff,
-                        under_plan.loss, base.loss)
+                        under_plan.loss, base.loss, _buffers_differ(*(run.model for run in runs)))
         rows.append(row)
         for run in runs:
             run.optimizer.step()
@@ -402,6 +416,13 @@ def _allocator(device: torch.device) -> Any:
     module = getattr(torch, device.type, None)
     needed = ("max_memory_allocated", "memory_allocated", "reset_peak_memory_stats", "synchronize")
     return module if all(hasattr(module, name) for name in needed) else None
+
+
+def _buffers_differ(expected: nn.Module, got: nn.Module) -> tuple[str, ...]:
+    """The names (``expected``'s) of the buffers two copies of a model hold unequal; NaNs in the same places are
+    equal.  In order: a plan's wrappers rename buffers (one level more), add none and keep their order."""
+    return tuple(name for (name, mine), theirs in zip(expected.named_buffers(), got.buffers(), strict=True)
+                 if not _compare([mine], [theirs])[0])
 
 
 def _compare(expected: list[torch.Tensor | None], got: list[torch.Tensor | None], chunked: bool = False

@@ -455,6 +455,7 @@ def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
 _WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "checkpoint": checkpoint_wrapper,
     "save_matmuls": lambda m: checkpoint_wrapper(m, policy=save_matmuls),
+    "checkpoint_offload": lambda m: checkpoint_wrapper(m, offload_inputs=True),
     # every saved activation moves, as the option is priced (the wrapper's default keeps tensors under 1 MiB)
     "offload": lambda m: offload_wrapper(m, min_bytes=0),
 }

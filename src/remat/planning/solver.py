@@ -21,6 +21,10 @@ option             kept own bytes                               extra time
                    (:mod:`remat.planning.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
+``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory, two blocks'
+inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
+block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.copies`).
+
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
 ``P``; with a plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each
 *shared* storage whose life the plan changes (a mask every layer takes is held once, until the backward
@@ -43,8 +47,9 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from .baselines import rules
 from .chain import chain_options
-from .options import DEFAULT_ALLOW, BlockOption
+from .options import DEFAULT_ALLOW, BlockOption, step_extra_time
 from .plan import Plan
 from .profile import StepProfile
 from .units import Budget, format_bytes, parse_budget
@@ -297,7 +302,7 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
     if sum(o.span for o in chosen) != len(prof.rows):
         raise ValueError(f"remat.plan: the options cover {sum(o.span for o in chosen)} blocks; the profile has "
                          f"{len(prof.rows)}.")
-    return _peak(prof, chosen), sum(o.extra_time for o in chosen)
+    return _peak(prof, chosen), step_extra_time(prof, chosen)
 
 
 def _in_flight(chosen: Sequence[BlockOption]) -> int:
@@ -305,13 +310,13 @@ def _in_flight(chosen: Sequence[BlockOption]) -> int:
     return max((o.in_flight for o in chosen), default=0)
 
 
-def _peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
-    return _chain_peak(prof, chosen) + _in_flight(chosen)
+def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
+    return _chain_peak(prof, chosen, accounting) + _in_flight(chosen)
 
 
-def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
+def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
     """The peak of one option per run of blocks (``chosen`` in order, spans covering the chain)."""
-    accounting = _Accounting(prof)
+    accounting = accounting or _Accounting(prof)
     peak, freed, mask, p = 0, 0, 0, 0
     steps = iter(chosen)
     while True:
@@ -481,7 +486,7 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    placed = cheapest(prof, budget_bytes, options)
+    placed = _no_worse_than_rules(prof, budget_bytes, options, cheapest(prof, budget_bytes, options))
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
@@ -516,7 +521,7 @@ def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget
     result = Plan(
         decisions=decisions,
         predicted_peak=_peak(prof, chosen),
-        predicted_extra_time=sum(o.extra_time for o in chosen),
+        predicted_extra_time=step_extra_time(prof, chosen),
         budget=budget,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
@@ -550,6 +555,20 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
     return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
 
 
+def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
+                         placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
+    """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
+    much time and less memory: the search merges states of many shared storages on the safe side and breaks
+    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model."""
+    accounting = _Accounting(prof)
+    candidates = [] if placed is None else [placed]
+    for rule in rules(options):
+        if _peak(prof, rule.chosen, accounting) <= budget:
+            candidates.append(list(enumerate(rule.chosen)))
+    return min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
+                                                        _peak(prof, [o for _, o in c], accounting)))
+
+
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
     """What ``print(plan)`` shows of one block: bytes it keeps of its own, extra time, ops it reruns, bytes it
     offloads and their copy time the compute does not hide."""
@@ -561,6 +580,9 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
         summary["recomputed_ops"] = option.recomputed_ops
     if option.policy is not None and option.policy.offloaded_bytes:
         summary["offloaded"] = option.policy.offloaded_bytes
+        summary["copy_time"] = option.copy_time
+    elif option.moved:
+        summary["offloaded"] = option.moved
         summary["copy_time"] = option.copy_time
     return summary
 

@@ -53,7 +53,8 @@ _VERSION = 3  # 3: unsteady timings are not written; a model's step time is kept
 
 STALE = 0.5
 """How far apart (a share, or the rounds' spread where larger) a cached step time and this process's may be
-before the timings cached with it are measured again: a loaded machine moves times by tens of percent."""
+before the timings cached with it are measured again: a loaded machine moves times by tens of percent.
+``REMAT_STALE_SPREAD`` sets another share (``inf``: never)."""
 
 
 class StaleTimings(UserWarning):
@@ -82,7 +83,7 @@ def stale(cached_forward: float, step: StepTime, entry: dict[str, float] | None)
         >>> stale(0.357 * 12, StepTime(0.2), None)
         "their blocks' forwards add up to 4284.0 ms, more than this process's whole training step (200.0 ms)"
     """
-    slack = max(STALE, step.spread + (entry or {}).get("spread", 0.0))
+    slack = max(float(os.environ.get("REMAT_STALE_SPREAD", STALE)), step.spread + (entry or {}).get("spread", 0.0))
     if cached_forward > step.seconds * (1 + slack):
         return (f"their blocks' forwards add up to {cached_forward * 1e3:.1f} ms, more than this process's whole "
                 f"training step ({step.seconds * 1e3:.1f} ms)")

@@ -27,6 +27,7 @@ from .metadata import MetaData, MetaKernels, NeedsRealData
 from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure
+from .rulefront import Front, front
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 from .untouched import left_as_found
@@ -108,6 +109,15 @@ class Profile(StepProfile):
     def _for_this_model(self, made: Plan) -> Plan:
         made.meta = {**self.model_meta, **made.meta}
         return made
+
+    def front(self, budgets: Sequence[Budget | int | float | str] = (), allow: Sequence[str] | None = None) -> Front:
+        """remat's plans beside the rules people checkpoint by (every-k spread for each n, every block,
+        offloaded inputs), each as predicted peak and extra time (:mod:`remat.planning.rulefront`).
+
+        Example:
+            >>> print(prof.front(budgets=("50%", "30%")))
+        """
+        return front(self, budgets) if allow is None else front(self, budgets, allow)
 
 
 def profile(

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload")
-_ALLOW = ("checkpoint", "save_matmuls", "selective")
+_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload")
+_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload")
 """``remat.planning.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
 no torch (test_cli checks that they agree)."""
 
@@ -331,6 +331,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         if args.output:
             plan.save(args.output)
             print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
+    if args.front:
+        print(f"\nremat's plans beside every-k and offloaded inputs:\n{prof.front(allow=tuple(args.allow))}")
     if not made:
         raise UserError("no budget could be met; the messages above give the smallest peak any plan reaches")
     return 0
@@ -525,8 +527,10 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                            "several budgets are planned from one profile")
     plan.add_argument("--allow", nargs="+", default=list(_ALLOW), choices=list(_ALLOWED),
                       help="options the plan may use (selective: keep chosen op outputs of a block, recompute "
-                           "the rest; offload, on an accelerator only: move a block's activations, or chosen op "
-                           "outputs, to host memory; default: all but offload)")
+                           "the rest; on an accelerator only: offload, move a block's activations, or chosen op "
+                           "outputs, to host memory; checkpoint_offload, checkpoint with the block's inputs in host "
+                           "memory; default: all but offload)")
+    plan.add_argument("--front", action="store_true", help="also print remat's plans beside the rules' points")
     plan.add_argument("-o", "--output", type=writable_file, help="write the plan as JSON")
     plan.set_defaults(run=_plan_cmd)
 
