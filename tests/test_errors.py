@@ -181,10 +181,13 @@ def test_reentrant_rejects_autograd_grad_kwargs_context_fn_and_debug():
         torch.autograd.grad(y.sum(), x)
     with pytest.raises(ValueError, match="keyword arguments"):
         remat.checkpoint(lambda t, k=1: t * k, x, use_reentrant=True, k=2)
-    with pytest.raises(ValueError, match="context_fn, policy and debug"):
+    needs = "context_fn, policy, debug and offload_inputs need use_reentrant=False"
+    with pytest.raises(ValueError, match=needs):
         remat.checkpoint(torch.sin, x, use_reentrant=True, debug=True)
-    with pytest.raises(ValueError, match="context_fn, policy and debug"):
+    with pytest.raises(ValueError, match=needs):
         remat.checkpoint(torch.sin, x, use_reentrant=True, context_fn=lambda: remat.noop_context_fn())
+    with pytest.raises(ValueError, match=needs):
+        remat.checkpoint(torch.sin, x, use_reentrant=True, offload_inputs=True)
 
 
 def test_custom_function_reading_saved_tensors_twice_is_a_clear_error():

@@ -26,7 +26,9 @@ from remat.planning.fronts import block_front, policy_for
 from remat.planning.overheads import Overheads
 from remat.policies.decisions import SAC_IGNORED_OPS
 
-MODELS = zoo.model_params()
+# By default a decoder and a convnet with batch norm: the encoder-decoder's front takes a minute here, and
+# tests/test_zoo.py plans it.
+MODELS = zoo.model_params(fast=("llama", "mobilenet_v2"))
 POINTS = ("checkpoint end", "middle", "near 75%")
 _FIXED = Overheads(region=2e-5, per_saved=1e-6, policy_forward=1e-6, policy_replay=5e-7, copy_per_byte=4e-10)
 IGNORED = {str(op) for op in SAC_IGNORED_OPS}

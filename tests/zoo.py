@@ -211,8 +211,8 @@ BUILDERS: dict[str, Callable[[], ZooCase]] = {
 
 FAST = ("llama", "t5", "mobilenet_v2")  # what CI runs; REMAT_ZOO=all runs every model
 
-def model_params() -> list:
-    """One pytest parameter per zoo model, the ones outside FAST skipped unless REMAT_ZOO=all."""
+def model_params(fast: tuple[str, ...] = FAST) -> list:
+    """One pytest parameter per zoo model, the ones outside ``fast`` skipped unless REMAT_ZOO=all."""
     import os
 
     import pytest
@@ -221,5 +221,5 @@ def model_params() -> list:
     skip = pytest.mark.skip(reason="whole zoo: REMAT_ZOO=all")
     params = []
     for name in BUILDERS:
-        params.append(pytest.param(name, marks=[] if every or name in FAST else [skip]))
+        params.append(pytest.param(name, marks=[] if every or name in fast else [skip]))
     return params
