@@ -5,14 +5,12 @@ gathered gradients against single-process plain autograd (the unchunked head and
 rank 0 writes the largest differences as JSON to the path given as the first argument.
 """
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_worker import Block, fully_shard
-from helpers import leave_process_group
+from dist_worker import Block, fully_shard, write_report
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -87,17 +85,7 @@ def main(report_path: str) -> None:
     fully_shard(model, mesh=mesh)
     results["fsdp2"] = _train(model, rank, world, lambda m: {n: p.grad.full_tensor().clone()
                                                               for n, p in _names(m).items()})
-    report = {}
-    for label, steps in results.items():
-        worst = 0.0
-        for want, got in zip(expected, steps):
-            assert set(want) == set(got), (label, sorted(set(want) ^ set(got)))
-            worst = max(worst, max((want[n] - got[n]).abs().max().item() for n in want))
-        report[label] = worst
-    if rank == 0:
-        with open(report_path, "w") as f:
-            json.dump(report, f)
-    leave_process_group()
+    write_report(report_path, rank, expected, results)
 
 
 if __name__ == "__main__":
