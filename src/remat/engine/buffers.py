@@ -114,6 +114,12 @@ class RegionBuffers:
         """Whether the forward wrote any of the buffers (after :meth:`after_forward`)."""
         return bool(self.buffers)
 
+    def restore(self) -> None:
+        """Put the written buffers back as forward found them, for good (after :meth:`after_forward`)."""
+        with _python_dispatch_off(), torch.no_grad():
+            for buffer, copy in zip(self.buffers, self.copies):
+                buffer.copy_(copy)
+
     @contextlib.contextmanager
     def as_forward_found(self) -> Iterator[None]:
         """Run the body (a recomputation) with the written buffers as forward found them; put back after it

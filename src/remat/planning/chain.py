@@ -77,7 +77,8 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
     """Per block index, the ``segment`` options that start there: one per run of 2 to ``max_span`` linked
     blocks, as :class:`~remat.planning.options.BlockOption` with ``span`` set.
 
-    Blocks that did not run (no price) end a run; one whose backward the profile did not see start (its output
+    Blocks that did not run (no price) end a run, and none starts at a block that writes in place to its input
+    (the region would rerun from the written input); one whose backward the profile did not see start (its output
     is its input: ``nn.Identity``) is never a run's last, where the run's recomputation is checked.
 
     Example:
@@ -88,9 +89,10 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
     priced = [row.checkpoint_time != float("inf") for row in rows]
     seen_backward = {seg.block for seg in prof.segments if seg.block is not None}
     found: dict[int, list[BlockOption]] = {}
+    startable = [ok and not row.writes_input for ok, row in zip(priced, rows)]
     for first in range(len(rows)):
         last = first
-        while (priced[first] and last + 1 < len(rows) and last < len(links) and links[last] and priced[last + 1]
+        while (startable[first] and last + 1 < len(rows) and last < len(links) and links[last] and priced[last + 1]
                and last + 2 - first <= max_span):
             last += 1
             if last not in seen_backward:

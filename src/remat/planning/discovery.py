@@ -107,10 +107,19 @@ def _repeated(units: Named) -> tuple[type | None, Named]:
     with_children = [(n, m) for n, m in units if _may_be_block(m)]
     if len(with_children) < 2:
         return None, []
-    cls, count = Counter(type(m) for _, m in with_children).most_common(1)[0]
+    kind, count = Counter(_kind(m) for _, m in with_children).most_common(1)[0]
     if count < 2 or 2 * count <= len(units):
         return None, []
-    return cls, [(n, m) for n, m in with_children if type(m) is cls or _has_own_forward(m)]
+    cls = next(type(m) for _, m in with_children if _kind(m) == kind)
+    return cls, [(n, m) for n, m in with_children if _kind(m) == kind or _has_own_forward(m)]
+
+
+def _kind(module: nn.Module) -> object:
+    """What makes two units the same block: their class, and for a plain container what it holds (a
+    ``features`` and a ``head`` ``nn.Sequential`` are two different stretches of layers, not one block twice)."""
+    if _is_plain(module):
+        return type(module), tuple(_kind(child) for child in module.children())
+    return type(module)
 
 
 def _finest(members: Named) -> Named:

@@ -16,9 +16,11 @@ import traceback
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaData", "NeedsRealData"]
+__all__ = ["MetaData", "MetaKernels", "NeedsRealData"]
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _SKIPPED = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -66,3 +68,52 @@ def _caller() -> str:
             parts = frame.filename.replace(os.sep, "/").split("/")
             return f"{'/'.join(parts[-2:])}:{frame.lineno}"
     return "an unknown place"
+
+
+class MetaKernels(TorchFunctionMode):
+    """While active, ``scaled_dot_product_attention`` on meta tensors runs the kernel the CPU picks for the
+    same arguments (its fused flash kernel where it applies, else the math path both devices take).
+
+    The choice is the CPU's own (``torch._fused_sdp_choice``), asked on stand-ins of one row each: CPU
+    tensors of the arguments' shapes and dtypes whose every dimension but the last is expanded, so asking
+    allocates next to nothing.
+
+    Example:
+        >>> q = torch.empty(2, 4, 16, 8, device="meta", requires_grad=True)
+        >>> with MetaKernels():
+        ...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        >>> out.grad_fn.name()
+        'ScaledDotProductFlashAttentionForCpuBackward0'
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and _on_meta(args, kwargs):
+            flash = _cpu_flash(*args, **kwargs)
+            if flash is not None:
+                return flash
+        return func(*args, **kwargs)
+
+
+def _on_meta(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in (*args, *kwargs.values()))
+
+
+def _stand_in(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty(t.shape[-1:], dtype=t.dtype).expand(t.shape)
+
+
+def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor | None:
+    """The CPU's fused flash attention on these meta tensors, or None where the CPU would not take it."""
+    if query.dim() != 4:
+        return None
+    stand_ins = [_stand_in(t) for t in (query, key, value, attn_mask)]
+    choice = torch._fused_sdp_choice(*stand_ins, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if choice != SDPBackend.FLASH_ATTENTION.value:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

@@ -69,6 +69,7 @@ from .overheads import Overheads, measure_overheads
 from .timecache import TimingCache, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
+from .untouched import left_as_found
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
 
@@ -137,6 +138,9 @@ class BlockGraph:
     estimated: bool
     overheads: Overheads
     asynchronous: bool = False
+    # An op writes in place to one of the block's inputs: a region starting at this block would rerun from
+    # the written input (the engine refuses it), so only a region that makes the input itself may hold it.
+    writes_input: bool = False
 
     @property
     def keep_all_bytes(self) -> int:
@@ -252,6 +256,7 @@ class _BlockRecord:
         self.last_pack = 0
         self.input_saved: set[int] = set()
         self.input_sizes: dict[int, int] = {}
+        self.writes_input = False
         self.done = False
         for t in _tensors((args, kwargs)):
             storage = t.untyped_storage()
@@ -352,6 +357,8 @@ class _Recorder(TorchDispatchMode):
                 if where is not None and where >= 0:
                     writes.add(record.lives[where].producer)
                     record.nodes[record.lives[where].producer]["mutated"] = True
+                elif where is not None:
+                    record.writes_input = True
         outputs = _tensors(out)
         if kind == "compute":
             for t in outputs:
@@ -393,21 +400,46 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
 
     Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     """
-    module, args, kwargs = record.module, record.args, record.kwargs
-    clock = Clock(device_of(_tensors((args, kwargs, list(module.parameters())))))
+    module = record.module
+    clock = Clock(device_of(_tensors((record.args, record.kwargs, list(module.parameters())))))
 
     def keep_nothing() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
 
     held = _Held()
+    inputs: list[tuple[tuple, dict]] = []
+
+    def prepare() -> None:
+        inputs[:] = [_fresh_copies((record.args, record.kwargs))]
 
     def forward() -> None:
+        args, kwargs = inputs.pop()
         module(*args, **kwargs)
         held.clear()  # no backward runs here: drop what autograd saved (see _Held)
 
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
     with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
-        return time_ops(forward, n, clock, repeats, keep_nothing, record.name)
+        return time_ops(forward, n, clock, repeats, keep_nothing, record.name, prepare)
+
+
+def _fresh_copies(tree: Any) -> Any:
+    """Copies of a block's recorded inputs for one timed run, made as its forward met them: a block that
+    writes in place to an input (``nn.ReLU(inplace=True)`` as a layer of its own, ``x[:, :4].mul_(2)``)
+    writes to its copy, which, where the input needs grad, is an autograd result like the activation it
+    stands for, not a leaf that autograd refuses to let change.  One copy per tensor object, so arguments
+    passed twice stay one tensor."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in copies:  # strides kept: a sliced input stays one, and ops on it stay the same ops
+            fresh = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            with torch.enable_grad():
+                copies[id(x)] = fresh.copy_(x.detach().requires_grad_(x.requires_grad))
+        return copies[id(x)]
+
+    return tree_map(copy, tree)
 
 
 def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
@@ -435,13 +467,14 @@ def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> Block
     structure = repr((type(record.module).__qualname__, inputs, record.input_saved,
                       [(n.op, n.kind, n.shapes, n.out_bytes, n.saved_bytes, n.needs, n.writes, n.reads_input, n.mutated)
                        for n in nodes],
-                      storages, record.packs, record.packs_needing_grad, record.last_pack))
+                      storages, record.packs, record.packs_needing_grad, record.last_pack, record.writes_input))
     signature = hashlib.sha1(structure.encode()).hexdigest()[:16]
     return BlockGraph(
         cls=type(record.module).__name__, signature=signature, nodes=nodes, storages=storages,
         input_bytes=record.input_bytes, input_saved_bytes=sum(record.input_sizes[i] for i in record.input_saved),
         saved_tensors=record.packs, saved_needing_grad=record.packs_needing_grad, stop=record.last_pack,
         forward_time=sum(n.wall_time for n in nodes), estimated=estimated, overheads=overheads,
+        writes_input=record.writes_input,
     )
 
 
@@ -507,7 +540,7 @@ def profile_ops(
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
-        with torch.random.fork_rng(devices=_rng_devices(tensors)), torch.enable_grad():
+        with left_as_found(model), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
                 model(*example_inputs, **example_kwargs)
             recorder.held.clear()
@@ -576,6 +609,3 @@ def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
                 "remat plan --fresh-timings)."), stacklevel=4)
     return pooled(timing, record.work)
 
-
-def _rng_devices(tensors: list[torch.Tensor]) -> list[int]:
-    return sorted({t.get_device() for t in tensors if t.device.type == "cuda"})

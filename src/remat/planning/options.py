@@ -113,6 +113,9 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     per_block = []
     for row in prof.rows:
         choices = [BlockOption("keep", row.own_bytes)]
+        if row.writes_input:  # a region starting here would rerun from its written input
+            per_block.append(choices)
+            continue
         if "checkpoint" in allow and row.checkpoint_time != float("inf"):
             choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):

@@ -57,16 +57,17 @@ class ModuleProfile:
     forward's peak and at that peak when it saved its last tensor (absolute, so that a run of blocks reads
     its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
     costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
-    block inside a region reruns them for the next one).
+    block inside a region reruns them for the next one).  ``writes_input``: the block writes in place to an
+    input, so no region may start at it (only keep it, or run it inside a region that starts earlier).
 
     A recomputing block keeps its inputs until its backward, where the step without a plan may have freed
     them: ``unsaved_held_bytes`` is the part of ``held_bytes`` the block does not save (a Dropout's input: it
     saves its mask), alive in the block's backward only under a plan; ``released_inputs`` lists ``(k, bytes)``
     for this block's inputs the step without a plan had freed before block ``k``'s forward, which a region
-    starting at this block keeps through its rerun of ``k``.  ``matmul_bytes`` are the matmul outputs ``save_matmuls``
-    keeps (those no later op overwrites) that no other block holds (the others are shared storages ``kept_by``
-    it), ``matmul_spared_bytes`` how much less than
-    ``recompute_bytes`` its recomputation holds, served the kept outputs it reruns to.
+    starting at this block keeps through its rerun of ``k``.  ``matmul_bytes`` are the matmul outputs
+    ``save_matmuls`` keeps (those no later op overwrites) that no other block holds (the others are shared
+    storages ``kept_by`` it), ``matmul_spared_bytes`` how much less than ``recompute_bytes`` its recomputation
+    holds, served the kept outputs it reruns to.
     """
 
     name: str
@@ -87,6 +88,7 @@ class ModuleProfile:
     save_peak: int = 0
     region_time: float = 0.0
     tail_time: float = 0.0
+    writes_input: bool = False
     unsaved_held_bytes: int = 0
     released_inputs: list[tuple[int, int]] = field(default_factory=list)
     matmul_spared_bytes: int = 0
@@ -221,6 +223,7 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
                                throughput=throughput, **example_kwargs)
     for row in prof.rows:
         graph = prof.ops.blocks.get(row.name)
+        row.writes_input = graph is not None and graph.writes_input
         if graph is not None:
             # save_matmuls serves its recomputation the kept matmul outputs it reruns to
             served = set(BlockPrices(graph).matmul_nodes())
@@ -301,8 +304,14 @@ def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs:
             "remat.profile(device='meta'): put the model and the inputs on the meta device first, e.g. build "
             "the model under `with torch.device('meta'):` and create inputs with device='meta'."
         )
+    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks)
+    for p in params:
+        p.grad = None
+    # FLOPs in a step of their own: the counter's module hooks pass tensors through autograd functions of
+    # their own, which keep some alive longer in backward (a SiLU layer's backward held 20 MiB more).
     flops = FlopCounterMode(display=False)
-    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks, flops)
+    with flops:
+        step().backward()
     for p in params:
         p.grad = None
     counts = flops.get_flop_counts()

@@ -57,11 +57,12 @@ class InfeasibleBudget(ValueError):
 
     ``budget`` and ``smallest`` are whole-step peaks in bytes (parameters and buffers included, as
     ``Plan.predicted_peak``); ``smallest`` is the lowest peak any plan reaches. The message states both above
-    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.
+    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.  ``writing``
+    names the blocks that write in place to their inputs, which no region may start at.
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
-                 requested: object = None, nothing_frees: bool = False) -> None:
+                 requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = ()) -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
         asked = ""
         if isinstance(requested, float):
@@ -85,6 +86,11 @@ class InfeasibleBudget(ValueError):
             advice = ("No option of these blocks frees memory (a block checkpointed alone keeps its inputs, all "
                       "that a single layer saves); name larger blocks with modules=[...], or reduce the batch / "
                       "sequence length.")
+        if writing:
+            shown = ", ".join(writing[:3]) + (f" and {len(writing) - 3} more" if len(writing) > 3 else "")
+            advice = (f"{shown} write in place to their inputs, so none can be checkpointed on its own (it would "
+                      "rerun from the written input): write to a copy in their forward (x = x.clone()), or name "
+                      f"larger blocks with modules=[...]. {advice if not nothing_frees else ''}").rstrip()
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
             f"{both(smallest)}. {advice}"
@@ -495,7 +501,8 @@ def plan_from_profile(
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
-                              prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes)
+                              prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes,
+                              writing=[row.name for row in prof.rows if row.writes_input])
     chosen = [o for _, o in placed]
     decisions, blocks, segments, policies, wrappers = {}, {}, [], {}, {}
     for p, o in placed:

@@ -224,7 +224,8 @@ class OpTimes:
 
 
 def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
-             policy_modes: Callable[[], tuple[Any, Any]], name: str = "the block") -> OpTimes:
+             policy_modes: Callable[[], tuple[Any, Any]], name: str = "the block",
+             prepare: Callable[[], None] | None = None) -> OpTimes:
     """Time each of the ``n`` ops ``run()`` dispatches, on ``clock``; medians of ``repeats`` rounds.
 
     Each round (the first warms up) runs ``run()`` unwatched, under the stopwatch, and unwatched under a
@@ -238,7 +239,8 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
     op against 40-70 µs in whole runs).  The stopwatch slows what it watches (its own Python work between
     ops): on the CPU device and host times are scaled so they add up to the unwatched run; on an
     accelerator host times are scaled to the unwatched run's host time, and kernels, timed by events, lose
-    the launch gap the stopwatch opens before each (:func:`_without_launch_gap`).
+    the launch gap the stopwatch opens before each (:func:`_without_launch_gap`).  ``prepare()``, if given,
+    runs before every run of ``run()``, off the clock (fresh inputs for a block that writes to its own).
 
     Example:
         >>> times = time_ops(lambda: block(x), n, Clock("cpu"), 5, lambda: (nullcontext(), nullcontext()))
@@ -249,7 +251,12 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
     host_rows: list[list[float]] = []
     under_policy: dict[str, list[float]] = {"recorder": [], "replayer": []}  # host seconds of unwatched runs
 
+    def fresh() -> None:
+        if prepare is not None:
+            prepare()
+
     def watched(keep: bool) -> None:
+        fresh()
         watch = _Stopwatch(clock, n)
         with watch:
             watch.last = clock.host_now()
@@ -266,6 +273,7 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
 
     for round_index in range(repeats + 1):
         keep = round_index > 0
+        fresh()
         _, device, host = clock.time(run)
         if keep:
             plain_device.append(device)
@@ -273,6 +281,7 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
         watched(keep)
         recorder, replayer = policy_modes()
         for label, mode in (("recorder", recorder), ("replayer", replayer)):  # the replay follows its recording
+            fresh()
             with mode:
                 _, _, host = clock.time(run)
             if keep:

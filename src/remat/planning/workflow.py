@@ -22,13 +22,14 @@ from ..api.sequential import checkpointed_runs
 from .discovery import chain_links, resolve_blocks
 from .inputs import describe_inputs
 from .kvcache import cache_off
-from .metadata import MetaData, NeedsRealData
+from .metadata import MetaData, MetaKernels, NeedsRealData
 from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure
 from .solver import plan_from_profile
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
+from .untouched import left_as_found
 
 __all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile"]
 
@@ -119,7 +120,8 @@ def profile(
     links = chain_links(model, names)
     on_meta = MetaData() if device == "meta" else None
     with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
-          measuring_afresh(fresh_timings),
+          MetaKernels() if on_meta is not None else contextlib.nullcontext(),
+          measuring_afresh(fresh_timings), left_as_found(model),
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,

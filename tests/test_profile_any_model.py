@@ -1,0 +1,168 @@
+"""The profiler takes the models users write, and leaves them as it found them.
+
+* ``remat.profile`` and ``remat.profile_ops`` leave parameters, buffers (batch norm's statistics and
+  ``num_batches_tracked``, a buffer a forward replaces), gradients and the RNG as they were;
+* an ``nn.Sequential`` with in-place activations as layers of their own, and a block that writes in place to a
+  view of its input, profile and plan (their timed runs write to copies, never to a leaf);
+* a model written as ``Sequential(OrderedDict(features=Sequential(...), head=Sequential(...)))`` plans layer by
+  layer, as the same layers in one container do.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+
+def _cnn(inplace: bool) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=inplace),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(inplace=inplace),
+        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(inplace=inplace), nn.Dropout(0.2),
+        nn.Flatten(), nn.Linear(16 * 12 * 12, 10))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in model.state_dict(keep_vars=False).items()}
+
+
+def _assert_same_state(before: dict[str, torch.Tensor], model: nn.Module) -> None:
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert not changed, f"profiling changed {changed}"
+
+
+@pytest.mark.parametrize("profiler", ["profile", "profile_ops"])
+def test_profiling_leaves_parameters_buffers_grads_and_rng_as_found(profiler):
+    torch.manual_seed(0)
+    model = _cnn(inplace=False)
+    x = torch.randn(8, 3, 12, 12)
+    model(x).sum().backward()  # the user's gradients, and statistics a trained model has moved
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    before = _state(model)
+    assert int(model[1].num_batches_tracked) == 1
+    rng = torch.get_rng_state()
+    if profiler == "profile":
+        remat.profile(model, x, loss_fn=lambda out: out.sum(), repeats=2)
+    else:
+        remat.profile_ops(model, x, repeats=2)
+    _assert_same_state(before, model)
+    assert int(model[1].num_batches_tracked) == 1
+    assert all(torch.equal(p.grad, grads[name]) for name, p in model.named_parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+class _Replacing(nn.Module):
+    """A forward that assigns a new tensor to a buffer's name (a cache some models rebuild)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + x.detach().mean(0)
+        return torch.relu(self.lin(x))
+
+
+def test_a_buffer_a_forward_replaces_is_put_back():
+    model = nn.Sequential(_Replacing(), _Replacing(), nn.Linear(8, 2))
+    original = model[0].seen
+    remat.profile(model, torch.randn(16, 8), loss_fn=lambda out: out.sum(), repeats=1)
+    assert model[0].seen is original and not original.any()
+
+
+def _holds(model_factory, x, budget) -> remat.PlanCheck:
+    torch.manual_seed(0)
+    prof = remat.profile(model_factory(), x, loss_fn=lambda out: out.float().pow(2).mean(), repeats=1)
+    plan = prof.plan(budget)
+    assert set(plan.decisions.values()) - {"keep"}, "the budget needs checkpointing: the plan must checkpoint something"
+    torch.manual_seed(0)
+    return remat.check_plan(model_factory, plan, x, loss_fn=lambda out: out.float().pow(2).mean(), steps=3,
+                            optimizer="sgd")
+
+
+def test_in_place_activations_as_layers_profile_and_plan():
+    x = torch.randn(16, 3, 12, 12)
+    result = _holds(lambda: _cnn(inplace=True), x, "70%")
+    assert result.grads_equal
+    assert result.peaks_hold, str(result)
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x[:, :4].mul_(2)  # in place, on a view of the block's input (the sum of the block before: not saved)
+        return torch.relu(self.lin(x)) + x
+
+
+class _Stack(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(_WritesItsInput(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_writing_in_place_to_a_view_of_its_input_profiles_and_is_never_a_region_start():
+    """Such a block reruns from the input it wrote: it is kept, and a budget only its checkpoint would reach
+    is refused with the reason, in one line."""
+    prof = remat.profile(_Stack(), torch.randn(1024, 64), loss_fn=lambda out: out.pow(2).mean(), repeats=1)
+    assert [row.writes_input for row in prof.rows] == [True] * 4
+    with pytest.raises(remat.InfeasibleBudget, match=r"blocks\.0, blocks\.1, blocks\.2 and 1 more write in place "
+                       r"to their inputs.*x = x\.clone\(\)"):
+        prof.plan("70%")
+
+
+def _chained_writers() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 64), _WritesItsInput(64), nn.Linear(64, 64), _WritesItsInput(64),
+                         nn.Linear(64, 64), nn.Tanh())
+
+
+def test_a_block_writing_to_its_input_runs_inside_a_segment_that_starts_before_it():
+    x = torch.randn(1024, 64)
+    prof = remat.profile(_chained_writers(), x, loss_fn=lambda out: out.pow(2).mean(), repeats=1)
+    plan = prof.plan("70%")
+    assert plan.segments and all(segment[0] in ("0", "2", "4") for segment in plan.segments), plan.segments
+    result = remat.check_plan(_chained_writers, plan, x, loss_fn=lambda out: out.pow(2).mean(), steps=3,
+                              optimizer="sgd")
+    assert result.grads_equal
+    assert result.peaks_hold, str(result)
+
+
+def _features_and_head() -> nn.Sequential:
+    return nn.Sequential(OrderedDict(
+        features=nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()),
+        head=nn.Sequential(nn.Flatten(), nn.Linear(16 * 12 * 12, 10))))
+
+
+def test_nested_containers_plan_layer_by_layer():
+    x = torch.randn(32, 3, 12, 12)
+    prof = remat.profile(_features_and_head(), x, loss_fn=lambda out: out.sum(), repeats=1)
+    assert [row.name for row in prof.rows] == [*(f"features.{i}" for i in range(6)), "head.0", "head.1"]
+    result = _holds(_features_and_head, x, "90%")
+    assert result.grads_equal
+    assert result.peaks_hold, str(result)
+
+
+def test_repeated_sequential_stages_stay_blocks():
+    """Plain containers of one structure are one block repeated: they stay the unit of the plan."""
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)) for _ in range(4)))
+    assert [name for name, _ in remat.planning.discovery.candidate_modules(model)] == ["0", "1", "2", "3"]
