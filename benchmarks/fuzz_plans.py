@@ -1,14 +1,14 @@
 """Plan fuzz: thousands of random models, every plan checked in a short training loop.
 
-Run by hand:  PYTHONPATH=src:tests python benchmarks/fuzz_plans.py [--models 2000] [--first 0] [--pending]
+Run by hand:  PYTHONPATH=src:tests python benchmarks/fuzz_plans.py [--models 2000] [--first 0]
 
 For each seed it builds a random model as a user writes it (tests/fuzz_models.py: Sequential MLPs and CNNs,
-residual blocks, blocks that share one input), profiles it, plans it at every feasible budget of a grid and
-takes random assignments of options besides, then trains each distinct plan for three SGD steps beside the
-unplanned model (tests/fuzz_check.py, through remat.check_plan).  A plan holds when every step peaks within 3%
-of its prediction (MemTracker, bytes above parameters and buffers) with gradients bitwise equal.  Misses,
-errors and models that cannot be profiled are printed as they come; a table by pattern ends the run.
-``--pending`` adds the patterns the profiler does not run yet (fuzz_models.PENDING).
+some with in-place activation layers, residual blocks, blocks that share one input), profiles it, plans it at
+every feasible budget of a grid and takes random assignments of options besides, then trains each distinct
+plan for three SGD steps beside the unplanned model (tests/fuzz_check.py, through remat.check_plan).  A plan
+holds when every step peaks within 3% of its prediction (MemTracker, bytes above parameters and buffers) with
+gradients bitwise equal.  Misses, errors and models that cannot be profiled are printed as they come; a table
+by pattern ends the run.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from fuzz_check import BUDGETS, check_case  # noqa: E402
-from fuzz_models import PATTERNS, PENDING, make_case  # noqa: E402
+from fuzz_models import make_case  # noqa: E402
 
 _COLUMNS = ("models", "unprofiled", "plans", "holds", "misses", "errors", "grads differ")
 
@@ -34,14 +34,12 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=2000, help="how many seeds (models) to run")
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--assignments", type=int, default=2, help="random assignments of options per model")
-    parser.add_argument("--pending", action="store_true", help="include " + ", ".join(sorted(PENDING)))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    patterns = PATTERNS if args.pending else None
     counts: dict[str, Counter] = defaultdict(Counter)
     start = time.perf_counter()
     for seed in range(args.first, args.first + args.models):
-        result = check_case(make_case(seed, patterns), BUDGETS, args.assignments)
+        result = check_case(make_case(seed), BUDGETS, args.assignments)
         row = counts[result.case.pattern]
         row["models"] += 1
         if result.error:

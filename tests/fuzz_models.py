@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "PATTERNS", "PENDING", "FuzzCase", "make_case"]
+__all__ = ["ACTIVATIONS", "PATTERNS", "FuzzCase", "make_case"]
 
 ACTIVATIONS: dict[str, Callable[..., nn.Module]] = {
     "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid,
@@ -42,10 +42,6 @@ _INPLACE = ("relu", "silu", "leaky_relu")  # the activations that take inplace=T
 _CAN_BE_INPLACE = (nn.ReLU, nn.SiLU, nn.LeakyReLU)
 
 PATTERNS = ("mlp", "cnn", "residual", "shared", "seq_inplace")
-
-PENDING = frozenset({"seq_inplace"})
-"""Patterns the profiler cannot run yet (an in-place activation as a layer of its own raises in its timed
-runs, issue 38 item 5): left out of :func:`make_case` unless asked for."""
 
 
 @dataclass
@@ -68,14 +64,14 @@ class FuzzCase:
 
 
 def make_case(seed: int, patterns: tuple[str, ...] | None = None) -> FuzzCase:
-    """The model of ``seed``, its pattern drawn from ``patterns`` (default: every pattern but :data:`PENDING`).
+    """The model of ``seed``, its pattern drawn from ``patterns`` (default: every pattern).
 
     Example:
         >>> make_case(3, patterns=("mlp",)).pattern
         'mlp'
     """
     rng = random.Random(seed)
-    choices = patterns or tuple(p for p in PATTERNS if p not in PENDING)
+    choices = patterns or PATTERNS
     pattern = choices[rng.randrange(len(choices))]
     spec, inputs_shape, describe = _BUILDERS[pattern](rng)
     generator = torch.Generator().manual_seed(seed)
