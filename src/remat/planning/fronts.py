@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from .blockpolicy import BlockPolicy, OpDecision
 from .opgraph import BlockGraph, OpProfile
-from .prices import BlockPrices
+from .prices import BlockPrices, recompute_peak
 from .units import format_bytes
 
 __all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "offload_twins", "policy_for",
@@ -162,7 +162,7 @@ class _CostModel:
         copies = self.copy_time(offloaded, served)
         time = self.prices.time(mode, served) + copies
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
-        peak = graph.recompute_peak(set(served)) + moved
+        peak = recompute_peak(graph, set(served)) + moved
         return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
                           max(0, kept_bytes + peak - graph.keep_all_bytes), self.rerun - len(served),
                           offloaded, moved, copies)

@@ -157,26 +157,6 @@ class BlockGraph:
                 if (n.kind == "compute" or n.kind == "alias" and n.random) and not n.mutated
                 and n.index < self.stop and n.out_bytes > 0]
 
-    def recompute_peak(self, served: set[int] = frozenset()) -> int:
-        """Most bytes a recomputation holds at once when the ``served`` nodes' outputs are handed to it instead
-        of rerun: saved tensors stay with the refill until backward unpacks them, the others die as in forward.
-
-        Example:
-            >>> graph.recompute_peak() >= graph.recompute_peak({graph.keepable[0]})
-            True
-        """
-        stop = self.stop
-        delta = [0] * (stop + 1)
-        for s in self.storages:
-            if s.producer < stop and s.producer not in served:
-                delta[s.producer] += s.nbytes
-                delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
-        running = peak = 0
-        for change in delta[:stop]:
-            running += change
-            peak = max(peak, running)
-        return peak
-
     def copied_bytes(self, index: int) -> int:
         """Bytes keeping node ``index`` copies (forward, and back in recomputation): a random in-place op's value."""
         node = self.nodes[index]

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..engine.replay import tensor_leaves
 from .opgraph import OpProfile, profile_ops
-from .prices import BlockPrices
+from .prices import BlockPrices, recompute_peak
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of
 from .units import format_bytes
@@ -227,7 +227,7 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
         if graph is not None:
             # save_matmuls serves its recomputation the kept matmul outputs it reruns to
             served = set(BlockPrices(graph).matmul_nodes())
-            row.matmul_spared_bytes = graph.recompute_peak() - graph.recompute_peak(served)
+            row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
     return prof
 
 
