@@ -8,7 +8,7 @@ every feasible budget of a grid and takes random assignments of options besides,
 plan for three SGD steps beside the unplanned model (tests/fuzz_check.py, through remat.check_plan).  A plan
 holds when every step peaks within 3% of its prediction (MemTracker, bytes above parameters and buffers) with
 gradients bitwise equal.  Misses, errors and models that cannot be profiled are printed as they come; a table
-by pattern ends the run.
+by pattern every ``--every`` models and at the end.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=2000, help="how many seeds (models) to run")
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--assignments", type=int, default=2, help="random assignments of options per model")
+    parser.add_argument("--every", type=int, default=100, help="print the table so far every this many models")
     args = parser.parse_args()
     torch.set_num_threads(1)
     counts: dict[str, Counter] = defaultdict(Counter)
@@ -53,8 +54,14 @@ def main() -> None:
             row["grads differ"] += not plan.error and not plan.grads_equal
             if not plan.holds:
                 print(f"{result.case} | {plan}", flush=True)
-    elapsed = time.perf_counter() - start
-    print(f"\n{args.models} models from seed {args.first}, {elapsed:.0f} s "
+        done = seed - args.first + 1
+        if done % args.every == 0 or done == args.models:
+            _table(counts, done, args.first, time.perf_counter() - start)
+
+
+def _table(counts: dict[str, Counter], models: int, first: int, elapsed: float) -> None:
+    """The counts so far by pattern, as a Markdown table."""
+    print(f"\n{models} models from seed {first}, {elapsed:.0f} s "
           f"(torch {torch.__version__}, {torch.get_num_threads()} thread)")
     print("| pattern | " + " | ".join(_COLUMNS) + " |")
     print("|---" * (len(_COLUMNS) + 1) + "|")
@@ -62,8 +69,7 @@ def main() -> None:
     for pattern in sorted(counts):
         total.update(counts[pattern])
         print(f"| {pattern} | " + " | ".join(str(counts[pattern][c]) for c in _COLUMNS) + " |")
-    print("| all | " + " | ".join(str(total[c]) for c in _COLUMNS) + " |")
-
+    print("| all | " + " | ".join(str(total[c]) for c in _COLUMNS) + " |", flush=True)
 
 if __name__ == "__main__":
     main()
