@@ -11,7 +11,10 @@ Patterns:
   pooled, flattened Linear head;
 * ``residual``: a ``ModuleList`` of repeated residual blocks (``x + f(x)``) of Linear or Conv2d layers whose
   activations are often ``inplace=True`` inside the block, then a head;
-* ``shared``: ``ctx = embed(x)`` passed to every block of a ``ModuleList`` and added again before the head;
+* ``shared``: ``ctx = embed(x)`` added to the input of every block of a ``ModuleList`` and again before the
+  head;
+* ``shared_input``: the same ``ctx`` passed to every block as an argument (the block adds it to, or multiplies
+  it with, its normed input);
 * ``seq_inplace``: an ``nn.Sequential`` with in-place activations as layers of their own
   (``Conv, ReLU(inplace=True), Conv``), as classic CNNs are written.
 
@@ -41,7 +44,7 @@ ACTIVATIONS: dict[str, Callable[..., nn.Module]] = {
 _INPLACE = ("relu", "silu", "leaky_relu")  # the activations that take inplace=True
 _CAN_BE_INPLACE = (nn.ReLU, nn.SiLU, nn.LeakyReLU)
 
-PATTERNS = ("mlp", "cnn", "residual", "shared", "seq_inplace")
+PATTERNS = ("mlp", "cnn", "residual", "shared", "shared_input", "seq_inplace")
 
 
 @dataclass
@@ -181,17 +184,24 @@ def _seq_inplace(rng: random.Random) -> tuple[Callable[[], nn.Module], tuple[int
 
 
 class _LinearBlock(nn.Module):
-    """``x + drop(down(act(up(norm(x)))))``; the activation may be in place, the norm and residual optional."""
+    """``x + drop(down(act(up(norm(x)))))``; the activation may be in place, the norm and residual optional.
+    Given ``ctx``, the block reads ``norm(x) + ctx`` (``mix="add"``: nothing saves it) or ``norm(x) * ctx``
+    (``"mul"``: every block saves it)."""
 
-    def __init__(self, width: int, hidden: int, act: nn.Module, norm: bool, p: float, residual: bool) -> None:
+    def __init__(self, width: int, hidden: int, act: nn.Module, norm: bool, p: float, residual: bool,
+                 mix: str = "add") -> None:
         super().__init__()
+        self.mix = mix
         self.norm = nn.LayerNorm(width) if norm else nn.Identity()
         self.up, self.act, self.down = nn.Linear(width, hidden), act, nn.Linear(hidden, width)
         self.drop = nn.Dropout(p) if p else nn.Identity()
         self.residual = residual
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.drop(self.down(self.act(self.up(self.norm(x)))))
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        if ctx is not None:
+            h = h + ctx if self.mix == "add" else h * ctx
+        out = self.drop(self.down(self.act(self.up(h))))
         return x + out if self.residual else out
 
 
@@ -211,10 +221,11 @@ class _ConvBlock(nn.Module):
 
 
 class _Stack(nn.Module):
-    """``head(blocks(stem(x)))``, the blocks in a ModuleList; with ``shared``, ``ctx = stem(x)`` is passed to
-    every block (``h = block(h + ctx)``) and added again before the head."""
+    """``head(blocks(stem(x)))``, the blocks in a ModuleList; with ``shared``, ``ctx = stem(x)`` is added to
+    every block's input (``"before"``: ``h = block(h + ctx)``) or passed to it (``"argument"``:
+    ``h = block(h, ctx)``), and added again before the head."""
 
-    def __init__(self, stem: nn.Module, blocks: list[nn.Module], head: nn.Module, shared: bool) -> None:
+    def __init__(self, stem: nn.Module, blocks: list[nn.Module], head: nn.Module, shared: str = "") -> None:
         super().__init__()
         self.stem, self.blocks, self.head, self.shared = stem, nn.ModuleList(blocks), head, shared
 
@@ -222,25 +233,31 @@ class _Stack(nn.Module):
         ctx = self.stem(x)
         h = ctx
         for block in self.blocks:
-            h = block(h + ctx) if self.shared else block(h)
+            if self.shared == "argument":
+                h = block(h, ctx)
+            else:
+                h = block(h + ctx) if self.shared else block(h)
         return self.head(h + ctx if self.shared else h)
 
 
-def _linear_stack(rng: random.Random, shared: bool) -> tuple[Callable[[], nn.Module], tuple[int, ...], str]:
+def _linear_stack(rng: random.Random, shared: str) -> tuple[Callable[[], nn.Module], tuple[int, ...], str]:
     batch, width, hidden = rng.choice((64, 128, 256)), rng.choice((32, 48)), rng.choice((64, 96, 128))
     depth, norm, p = rng.randint(2, 4), rng.random() < 0.6, rng.choice((0.0, 0.0, 0.1, 0.3))
     residual = shared or rng.random() < 0.8
     act_seed, features = rng.randrange(1 << 30), rng.choice((16, 32))
+    mix = rng.choice(("add", "mul"))
 
     def spec() -> nn.Module:
         act_rng = random.Random(act_seed)  # every block takes the same activation: the blocks are equal
         act, _ = _activation(act_rng, inplace=True)
-        blocks = [_LinearBlock(width, hidden, type(act)(**_kwargs(act)), norm, p, residual) for _ in range(depth)]
+        blocks = [_LinearBlock(width, hidden, type(act)(**_kwargs(act)), norm, p, residual, mix)
+                  for _ in range(depth)]
         return _Stack(nn.Linear(features, width), blocks, nn.Linear(width, 8), shared)
 
     _, act_name = _activation(random.Random(act_seed), inplace=True)
+    ctx = {"": "", "before": " ctx shared", "argument": f" ctx shared ({mix}, an argument)"}[shared]
     text = (f"{depth} x [{'LayerNorm ' if norm else ''}Linear({width},{hidden}) {act_name} Linear({hidden},{width})"
-            f"{f' Dropout({p})' if p else ''}{' +x' if residual else ''}]{' ctx shared' if shared else ''}")
+            f"{f' Dropout({p})' if p else ''}{' +x' if residual else ''}]{ctx}")
     return spec, (batch, features), text
 
 
@@ -260,7 +277,7 @@ def _conv_stack(rng: random.Random) -> tuple[Callable[[], nn.Module], tuple[int,
         blocks = [_ConvBlock(channels, type(act)(**_kwargs(act)), type(out)(**_kwargs(out)), norm)
                   for _ in range(depth)]
         head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 5))
-        return _Stack(nn.Conv2d(3, channels, 3, padding=1), blocks, head, shared=False)
+        return _Stack(nn.Conv2d(3, channels, 3, padding=1), blocks, head)
 
     act_rng = random.Random(act_seed)
     names = [_activation(act_rng, inplace=True)[1] for _ in range(2)]
@@ -269,11 +286,16 @@ def _conv_stack(rng: random.Random) -> tuple[Callable[[], nn.Module], tuple[int,
 
 
 def _residual(rng: random.Random) -> tuple[Callable[[], nn.Module], tuple[int, ...], str]:
-    return _conv_stack(rng) if rng.random() < 0.35 else _linear_stack(rng, shared=False)
+    return _conv_stack(rng) if rng.random() < 0.35 else _linear_stack(rng, shared="")
 
 
 def _shared(rng: random.Random) -> tuple[Callable[[], nn.Module], tuple[int, ...], str]:
-    return _linear_stack(rng, shared=True)
+    return _linear_stack(rng, shared="before")
 
 
-_BUILDERS = {"mlp": _mlp, "cnn": _cnn, "residual": _residual, "shared": _shared, "seq_inplace": _seq_inplace}
+def _shared_input(rng: random.Random) -> tuple[Callable[[], nn.Module], tuple[int, ...], str]:
+    return _linear_stack(rng, shared="argument")
+
+
+_BUILDERS = {"mlp": _mlp, "cnn": _cnn, "residual": _residual, "shared": _shared, "shared_input": _shared_input,
+             "seq_inplace": _seq_inplace}
