@@ -4,13 +4,21 @@ Run by hand on a machine with CUDA (most of the time goes to compiling: every co
 graphs):
 
     python benchmarks/gpu.py                                   # the full table, gpu_results.json
+    python benchmarks/gpu.py --quick                           # every eager row, fewer rounds, no compiling
+    python benchmarks/gpu.py --quick --model gpt2 --json gpt2.json   # the second model
     python benchmarks/gpu.py --modes 'plan-*' --no-compile     # plain and the eager plans only
     python benchmarks/gpu.py --layers 4 --batch 2 --seq 1024   # a smaller model
     python benchmarks/gpu.py --device cpu --tiny --rounds 2 --warmup 1   # a smoke run of the whole script
 
-The model is ``LlamaForCausalLM`` built from a config (random weights, no downloads; default hidden 2048,
-12 layers, 16 heads, intermediate 5632, vocab 32000, bf16, SDPA attention, batch 4 x seq 2048,
-``use_cache=False``).  One training step is forward + backward of ``model(input_ids=ids, labels=ids).loss``.
+The model (``--model``) is ``LlamaForCausalLM`` built from a config (random weights, no downloads; default
+hidden 2048, 12 layers, 16 heads, intermediate 5632, vocab 32000, batch 4 x seq 2048) or ``GPT2LMHeadModel``
+(GPT-2 medium's width: hidden 1024, 16 layers, 16 heads, vocab 50257, batch 8 x seq 1024); bf16, SDPA
+attention, ``use_cache=False``.  One training step is forward + backward of
+``model(input_ids=ids, labels=ids).loss``.  The modes and the models are in ``gpu_modes.py``: besides the
+shared paths (torch's and remat's checkpoint, selective policies, offload), every-k rows (25/50/75% of the
+layers checkpointed, spread evenly), checkpoint with offloaded inputs (every layer but the last), and plans at
+70/50/30%, at 50/30% with offload allowed, and at the lowest peak any plan reaches; before the table, remat's
+predicted front beside the rules' points.
 Every mode runs once per round, the order rotated each round, ``--rounds`` rounds after ``--warmup`` (eager
 modes in one phase, compiled ones in a second, both with plain eager as the reference of "x plain").
 
@@ -42,23 +50,15 @@ the script says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import fnmatch
-import functools
-import gc
 import pickle
 import statistics
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
-from torch import nn
 
 import remat
 from remat.planning.memory import profiled_peak
@@ -67,151 +67,26 @@ from remat.planning.timing import Clock
 from remat.tools.arguments import add_optimizer_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_report, beside this file however it is loaded
+from gpu_modes import (  # noqa: E402
+    COMPILED_KEYS,
+    EAGER_KEYS,
+    PLANS,
+    Mode,
+    Workload,
+    build,
+    compiled_modes,
+    eager_modes,
+    select,
+)
 from gpu_report import Row, mib, print_header, report, save, summarize  # noqa: E402
 
-PLAN_FRACTIONS = (0.7, 0.5, 0.3)
-COMPILE_BUDGETS = (0.7, 0.5, 0.3)
-FULL = {"hidden": 2048, "layers": 12, "heads": 16, "intermediate": 5632, "vocab": 32000, "batch": 4, "seq": 2048}
+# Sizes by model: the Llama of the measured tables, and GPT-2 medium's width at 16 layers.
+FULL = {"llama": {"hidden": 2048, "layers": 12, "heads": 16, "intermediate": 5632, "vocab": 32000, "batch": 4,
+                  "seq": 2048},
+        "gpt2": {"hidden": 1024, "layers": 16, "heads": 16, "intermediate": 4096, "vocab": 50257, "batch": 8,
+                 "seq": 1024}}
 TINY = {"hidden": 32, "layers": 8, "heads": 2, "intermediate": 88, "vocab": 128, "batch": 4, "seq": 128}
-# torchtitan's op-level SAC save list (matmuls, fused attention, reduce-scatter, max), as far as this torch has
-# them. Every listed output is saved (torchtitan's older policy also recomputed every second mm).
-TORCHTITAN_SAVE_LIST = (
-    "aten.mm.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "_c10d_functional.reduce_scatter_tensor.default",
-    "aten.max.default",
-)
-# what a Llama layer computes besides projections and attention: bandwidth-bound, cheap to rerun
-ELEMENTWISE = ("_to_copy", "pow", "mean", "rsqrt", "mul", "add", "silu", "neg", "cat")
 OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
-
-
-def _resolve_ops(names: tuple[str, ...]) -> set:
-    ops = set()
-    for name in names:
-        namespace, packet, overload = name.split(".")
-        with contextlib.suppress(AttributeError):  # an op this torch does not have
-            ops.add(getattr(getattr(getattr(torch.ops, namespace), packet), overload))
-    return ops
-
-
-_SAVE_LIST = _resolve_ops(TORCHTITAN_SAVE_LIST)
-_ELEMENTWISE = {getattr(torch.ops.aten, name) for name in ELEMENTWISE}
-_SAVE, _RECOMPUTE = remat.CheckpointPolicy.MUST_SAVE, remat.CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _save_listed(op: Any) -> remat.CheckpointPolicy:
-    return _SAVE if op in _SAVE_LIST else _RECOMPUTE
-
-
-def _save_every_op(op: Any) -> remat.CheckpointPolicy:
-    return _SAVE
-
-
-def _recompute_elementwise(op: Any) -> remat.CheckpointPolicy:
-    return _RECOMPUTE if getattr(op, "overloadpacket", None) in _ELEMENTWISE else _SAVE
-
-
-def _torch_sac(rule: Callable[[Any], Any]) -> Callable[..., Any]:
-    """``torch.utils.checkpoint`` with selective checkpointing under ``rule(op)``."""
-
-    def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch_checkpoint.CheckpointPolicy:
-        # torch compares with its own enum: remat's equal-named member would read as "recompute"
-        return torch_checkpoint.CheckpointPolicy[rule(op).name]
-
-    context_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, policy_fn)
-    return functools.partial(torch_checkpoint.checkpoint, use_reentrant=False, context_fn=context_fn)
-
-
-def _remat_policy(rule: Callable[[Any], Any], name: str) -> Callable[..., Any]:
-    return functools.partial(remat.checkpoint, use_reentrant=False, policy=remat.policies.Policy(op_rule=rule,
-                                                                                                name=name))
-
-
-# ---------------------------------------------------------------------------------------------- the workload
-
-
-@dataclass
-class Workload:
-    """The model, its inputs and the device; ``step(model)`` is one training step's forward and backward, and
-    ``optimizer`` (set by :func:`main`) steps the parameters after it."""
-
-    model: nn.Module
-    inputs: dict[str, Any]
-    device: torch.device
-    optimizer: torch.optim.Optimizer | None = None
-
-    def step(self, model: nn.Module | None = None, context: Callable[[], Any] = contextlib.nullcontext) -> None:
-        with context():
-            loss = (self.model if model is None else model)(**self.inputs).loss
-        loss.backward()
-
-    def twin(self) -> nn.Module:
-        """A copy of the model's module tree that shares its parameters and buffers (for compiling)."""
-        shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
-        return copy.deepcopy(self.model, shared)
-
-    def free(self) -> None:
-        self.model.zero_grad(set_to_none=True)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def build(args: argparse.Namespace, device: torch.device) -> Workload:
-    import transformers
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
-        max_position_embeddings=max(args.seq, 2048), use_cache=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config)
-    model.to(args.dtype).train()
-    ids = torch.randint(args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
-    return Workload(model, {"input_ids": ids, "labels": ids, "use_cache": False}, device)
-
-
-class _Through(nn.Module):
-    """A decoder layer run as ``fn(layer, *args, **kwargs)`` (HF passes the layer keyword arguments)."""
-
-    def __init__(self, layer: nn.Module, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.layer = layer
-        self.fn = fn
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(self.layer, *args, **kwargs)
-
-
-def _wrap_layers(model: nn.Module, fn: Callable[..., Any]) -> list[nn.Module]:
-    """Run every decoder layer through ``fn``; returns the layers as they were."""
-    layers = model.model.layers
-    originals = list(layers)
-    for i, layer in enumerate(originals):
-        layers[i] = _Through(layer, fn)
-    return originals
-
-
-@contextlib.contextmanager
-def _layers_through(model: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
-    originals = _wrap_layers(model, fn)
-    try:
-        yield
-    finally:
-        for i, layer in enumerate(originals):
-            model.model.layers[i] = layer
-
-
-@contextlib.contextmanager
-def _planned(model: nn.Module, plan: remat.Plan) -> Iterator[None]:
-    plan.apply(model)
-    try:
-        yield
-    finally:
-        plan.remove(model)
 
 
 # ---------------------------------------------------------------------------------------- timing and memory
@@ -256,138 +131,6 @@ def copy_bandwidths(device: torch.device, nbytes: int, repeats: int = 5) -> dict
         result[name] = nbytes / statistics.median(
             _timed(device, lambda d=dst, s=src: d.copy_(s, non_blocking=True)) for _ in range(repeats))
     return result
-
-
-# ------------------------------------------------------------------------------------------------- the modes
-
-
-@dataclass
-class Mode:
-    """One row: ``installed()`` sets the mode up around a step (untimed), ``step()`` is the timed step."""
-
-    key: str
-    label: str
-    step: Callable[[], None]
-    installed: Callable[[], Any] = contextlib.nullcontext
-    refused: str | None = None  # why the mode cannot run (a plan the budget refused)
-
-
-def eager_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> list[Mode]:
-    """Every eager mode on the one shared model (plans: by fraction, or the reason there is none)."""
-    model, device_type = work.model, work.device.type
-
-    def through(key: str, label: str, fn: Callable[..., Any]) -> Mode:
-        return Mode(key, label, work.step, lambda: _layers_through(model, fn))
-
-    def around(key: str, label: str, context: Callable[[], Any]) -> Mode:
-        return Mode(key, label, lambda: work.step(context=context))
-
-    modes = [
-        Mode("plain", "plain", work.step),
-        through("torch-ckpt", "torch checkpoint, every layer",
-                functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)),
-        through("remat-ckpt", "remat checkpoint, every layer",
-                functools.partial(remat.checkpoint, use_reentrant=False)),
-        through("torch-sac", "torch SAC, torchtitan's save list (mm, SDPA)", _torch_sac(_save_listed)),
-        through("remat-save-matmuls", "remat save_matmuls", functools.partial(
-            remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
-        through("torch-save-all", "torch SAC saving every op", _torch_sac(_save_every_op)),
-        through("remat-save-all", "remat policy saving every op", _remat_policy(_save_every_op, "save every op")),
-        through("torch-elementwise", "torch SAC recomputing elementwise ops", _torch_sac(_recompute_elementwise)),
-        through("remat-elementwise", "remat policy recomputing elementwise ops",
-                _remat_policy(_recompute_elementwise, "recompute elementwise")),
-        around("torch-save-on-cpu", "torch save_on_cpu(pin_memory=True)",
-               lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)),
-        around("remat-save-on-cpu", "remat save_on_cpu(pin_memory=True)",
-               lambda: remat.save_on_cpu(pin_memory=True, device_type=device_type)),
-        around("remat-offload", "remat offload()", lambda: remat.offload(device_type=device_type)),
-    ]
-    modes += [_plan_mode(work, fraction, plan) for fraction, plan in plans.items()]
-    return modes
-
-
-def _plan_mode(work: Workload, fraction: float, plan: remat.Plan | str) -> Mode:
-    key = _plan_key(fraction)
-    if isinstance(plan, str):
-        return Mode(key, f"remat plan {fraction:.0%}", work.step, refused=plan)
-    return Mode(key, f"remat plan {fraction:.0%} ({_decision_counts(plan)})", work.step,
-                lambda: _planned(work.model, plan))
-
-
-def _plan_key(fraction: float) -> str:
-    return f"plan-{fraction * 100:.0f}"
-
-
-class _Inductor:
-    """Inductor, as a backend object of one compiled mode's own.
-
-    Dynamo keeps compiled code per code object and reuses an entry for another copy of the model whose
-    guards pass (modules are not matched by identity) under an equal backend; ``torch.compile``'s default
-    backends compare equal, so a copy compiled under another ``activation_memory_budget`` would silently run
-    the first copy's graph. A distinct backend object per mode keeps each mode's graph its own.
-    """
-
-    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(graph, example_inputs)
-
-
-def compiled_modes(work: Workload, plans: dict[float, remat.Plan | str]) -> dict[str, Callable[[], Mode]]:
-    """Builders of the compiled modes, by key (each compiles its own copy of the module tree when built)."""
-    import torch._functorch.config as functorch_config
-
-    def compiled(key: str, label: str, prepare: Callable[[nn.Module], Any] = lambda m: None,
-                 installed: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], Mode]:
-        def make() -> Mode:
-            twin = work.twin()
-            prepare(twin)
-            program = torch.compile(twin, backend=_Inductor())
-            return Mode(key, label, lambda: work.step(program), installed)
-
-        return make
-
-    builders = {"compiled-plain": compiled("compiled-plain", "torch.compile, plain")}
-    for budget in COMPILE_BUDGETS:
-        key = f"compiled-budget-{budget:g}"
-        builders[key] = compiled(key, f"torch.compile, activation_memory_budget {budget:g}",
-                                 installed=lambda b=budget: functorch_config.patch(activation_memory_budget=b))
-    builders["compiled-remat-ckpt"] = compiled(
-        "compiled-remat-ckpt", "torch.compile, remat checkpoint every layer",
-        lambda m: _wrap_layers(m, functools.partial(remat.checkpoint, use_reentrant=False)))
-    for fraction, plan in plans.items():
-        if not isinstance(plan, str):
-            key = f"compiled-{_plan_key(fraction)}"
-            builders[key] = compiled(key, f"torch.compile, remat plan {fraction:.0%} ({_decision_counts(plan)})",
-                                     plan.apply)
-    return builders
-
-
-def _decision_counts(plan: remat.Plan) -> str:
-    counts: dict[str, int] = {}
-    for decision in plan.decisions.values():
-        counts[decision] = counts.get(decision, 0) + 1
-    return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
-EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "torch-save-all",
-              "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
-              "remat-offload", *(_plan_key(f) for f in PLAN_FRACTIONS)]
-COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",
-                 *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS)]
-
-
-def select(patterns: list[str] | None, compile_rows: bool) -> list[str]:
-    """The mode keys ``patterns`` (names or shell patterns) pick, plain always first."""
-    known = EAGER_KEYS + (COMPILED_KEYS if compile_rows else [])
-    if not patterns:
-        return known
-    every = EAGER_KEYS + COMPILED_KEYS
-    unknown = [p for p in patterns if not fnmatch.filter(every, p)]
-    if unknown:
-        raise SystemExit(f"gpu.py: no mode matches {', '.join(unknown)}; the modes are: {' '.join(every)}")
-    chosen = {k for p in patterns for k in fnmatch.filter(known, p)}
-    return ["plain", *(k for k in known if k in chosen and k != "plain")]
 
 
 # ------------------------------------------------------------------------------------------ running a phase
@@ -446,21 +189,28 @@ def run_phase(work: Workload, modes: list[Mode], rounds: int, warmup: int, name:
     return rows
 
 
-def _profile_plans(work: Workload, fractions: list[float], repeats: int,
-                   save_to: str | None = None) -> dict[float, remat.Plan | str]:
-    """Plans at ``fractions`` from one profile."""
+def _profile_plans(work: Workload, keys: list[str], repeats: int,
+                   save_to: str | None = None) -> dict[str, remat.Plan | str]:
+    """The plans of ``keys`` (:data:`gpu_modes.PLANS`) from one profile, or why one was refused."""
     prof = remat.profile(work.model, repeats=repeats, **work.inputs)
     if save_to:
         # the profile holds no tensors: re-planning from it elsewhere (a CPU machine) uses this device's prices
         with open(save_to, "wb") as f:
             pickle.dump(prof, f)
-    plans: dict[float, remat.Plan | str] = {}
-    for fraction in fractions:
+    plans: dict[str, remat.Plan | str] = {}
+    for key in keys:
+        fraction, allow, label = PLANS[key]
         try:
-            plans[fraction] = prof.plan(fraction)
-            print(f"\nplan {fraction:.0%}:\n{plans[fraction]}")
+            if fraction is None:
+                lowest = min(prof.front(allow=allow).plans, key=lambda point: point.peak)
+                plans[key] = prof.plan(lowest.peak, allow=allow)
+            else:
+                plans[key] = prof.plan(fraction, allow=allow)
+            print(f"\n{label}:\n{plans[key]}")
         except remat.InfeasibleBudget as error:
-            plans[fraction] = f"refused: the smallest plan peaks at {mib(error.smallest - error.param_bytes)} MiB"
+            plans[key] = f"refused: the smallest plan peaks at {mib(error.smallest - error.param_bytes)} MiB"
+    if keys:
+        print(f"\nremat's plans beside the rules, predicted:\n{prof.front(allow=PLANS[keys[-1]][1])}")
     del prof
     work.free()
     return plans
@@ -473,7 +223,8 @@ def header(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
         "remat": remat.__version__,
-        "model": {k: getattr(args, k) for k in FULL} | {"dtype": str(args.dtype).removeprefix("torch."),
+        "model": {k: getattr(args, k) for k in TINY} | {"family": args.model,
+                                                      "dtype": str(args.dtype).removeprefix("torch."),
                                                       "parameters": sum(p.numel() for p in work.model.parameters())},
         "rounds": args.rounds, "warmup": args.warmup, "optimizer": args.optimizer,
     }
@@ -487,29 +238,38 @@ def header(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in FULL:
-        parser.add_argument(f"--{name}", type=int, help=f"default {FULL[name]} ({TINY[name]} with --tiny)")
+    parser.add_argument("--model", choices=list(FULL), default="llama", help="the model family (default llama)")
+    for name in TINY:
+        parser.add_argument(f"--{name}", type=int, help=f"default {FULL['llama'][name]} for llama, "
+                            f"{FULL['gpt2'][name]} for gpt2 ({TINY[name]} with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, for a smoke run")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 rounds after 1 warm-up, 2 profile repeats, no compiled rows: minutes on one GPU")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="default bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 7; 3 with --quick)")
+    parser.add_argument("--warmup", type=int, help="untimed rounds first (default 2; 1 with --quick)")
     parser.add_argument("--modes", nargs="+", help="mode names or shell patterns (plain always runs); "
                         f"modes: {' '.join(EAGER_KEYS + COMPILED_KEYS)}")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="the torch.compile rows (default: on CUDA only)")
     add_optimizer_argument(parser)
-    parser.add_argument("--profile-repeats", type=int, default=5, help="remat.profile's repeats")
+    parser.add_argument("--profile-repeats", type=int, help="remat.profile's repeats (default 5; 2 with --quick)")
     parser.add_argument("--copy-mib", type=int, default=512, help="bytes per bandwidth copy, MiB")
     parser.add_argument("--json", default="gpu_results.json", help="where to write the results")
     parser.add_argument("--save-profile", help="pickle remat.profile's result here (to re-plan from it elsewhere)")
     args = parser.parse_args(argv)
     if torch.device(args.device).type not in ("cuda", "cpu"):
         parser.error(f"--device must be cuda (or cuda:N) or cpu, got {args.device!r}")
-    for name, value in (TINY if args.tiny else FULL).items():
+    for name, value in (TINY if args.tiny else FULL[args.model]).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    for name, usual, quick in (("rounds", 7, 3), ("warmup", 2, 1), ("profile_repeats", 5, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else usual)
+    if args.quick and args.compile is None:
+        args.compile = False
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return args
@@ -539,16 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     print_header(info)
     sys.stdout.flush()
 
-    fractions = [f for f in PLAN_FRACTIONS if {_plan_key(f), f"compiled-{_plan_key(f)}"} & set(keys)]
-    plans = _profile_plans(work, fractions, args.profile_repeats, args.save_profile) if fractions else {}
+    wanted = [key for key in PLANS if {key, f"compiled-{key}"} & set(keys)]
+    plans = _profile_plans(work, wanted, args.profile_repeats, args.save_profile)
     work.optimizer = make_optimizer(args.optimizer, work.model.parameters())
     work.step()  # the optimizer's state exists from the first measured step on, as in a training loop
     work.optimizer.step()
     work.free()
     eager = [m for m in eager_modes(work, plans) if m.key in keys]
     rows = run_phase(work, eager, args.rounds, args.warmup, "eager")
-    for fraction, plan in plans.items():
-        row = rows.get(_plan_key(fraction))
+    for key, plan in plans.items():
+        row = rows.get(key)
         if row is not None and not isinstance(plan, str):
             row.predicted_peak = plan.predicted_peak - plan.param_bytes
             row.predicted_extra, row.predicted_step = plan.predicted_extra_time, plan.step_time

@@ -23,10 +23,32 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
+# Whether a busy machine's timings count as unsteady, or cached ones as stale, depends on the machine: no test's
+# output may (the tests of those checks set their own limits).
+_MACHINE_FREE = {"REMAT_UNSTEADY_SPREAD": "inf", "REMAT_STALE_SPREAD": "inf"}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def session_timings_cache(tmp_path_factory):
+    """Module- and session-scoped fixtures profile before a test's own cache is set: they measure into one of
+    the session's, never the machine's (~/.cache/remat), which other runs have filled."""
+    import os
+
+    settings = {"REMAT_CACHE_DIR": str(tmp_path_factory.mktemp("remat-cache")), **_MACHINE_FREE}
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(autouse=True)
 def own_timings_cache(tmp_path, monkeypatch):
     """Every test measures into a timings cache of its own (remat.planning.timecache): nothing measured by
     another test, or on this machine before, decides a plan here."""
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))
-    # Whether a busy machine's timings count as unsteady depends on the machine: no test's output may.
-    monkeypatch.setenv("REMAT_UNSTEADY_SPREAD", "inf")
+    for name, value in _MACHINE_FREE.items():
+        monkeypatch.setenv(name, value)

@@ -171,10 +171,78 @@ def test_a_missing_plan_file_is_one_line_and_exit_2(planned_user_module):
                     cwd=planned_user_module)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "remat check: error: cannot read the plan 'missing.json' (No such file or directory); write one with "
-        "remat plan MODULE:FACTORY --budget 50% -o missing.json"]
+        "remat check: error: cannot read the plan missing.json (No such file or directory); make one with "
+        "`remat plan ... -o missing.json`"]
 
 
 def test_the_check_command_has_help_with_examples():
     out = remat_cli("check", "--help", cwd=None)
     assert out.returncode == 0 and "examples:" in out.stdout and "usage: remat check" in out.stdout
+
+
+def test_a_loss_that_is_nan_with_and_without_the_plan_is_reported_as_such(case):
+    model, tokens, loss_fn, prof = case
+    plan = prof.plan(0.6, allow=("checkpoint",))
+
+    def nan_loss(logits):  # every gradient NaN, in both copies alike
+        return loss_fn(logits) * float("nan")
+
+    result = remat.check_plan(model, plan, tokens, loss_fn=nan_loss, steps=2, optimizer="sgd")
+    assert all(row.grads_equal and row.max_grad_diff == 0.0 for row in result.rows)
+    assert result.losses_equal and result.holds
+    verdict = result.verdict()
+    assert "gradients differ" not in verdict and "max |Δ| 0" not in verdict
+    assert "without the plan too the loss is nan from step 1: the training diverges" in verdict
+
+
+def test_a_loss_that_differs_or_is_nan_only_under_the_plan_is_named_before_gradients():
+    rows = [StepCheck(1, 100, 200, 0.02, 0.01, True, 0.0, loss=2.5, unplanned_loss=2.5),
+            StepCheck(2, 100, 200, 0.02, 0.01, False, 1e-3, loss=2.25, unplanned_loss=2.0),
+            StepCheck(3, 100, 200, 0.02, 0.01, False, float("inf"), loss=float("nan"), unplanned_loss=1.5)]
+    result = PlanCheck(rows, predicted_peak=100, predicted_extra_time=0.01, profiled_peak=200, optimizer="sgd",
+                       device="cpu")
+    assert not result.losses_equal and not result.holds
+    assert result.verdict().startswith(
+        "the plan does not hold: under the plan the loss is nan at step 3 where without it it is 1.5; the loss "
+        "differs from the unplanned model's at step 2 (step 2: 2.25 vs 2); gradients differ from the unplanned "
+        "model's at steps 2, 3 (max |Δ| inf)")
+
+
+def test_gradients_nan_in_the_same_places_are_equal_and_elsewhere_differ():
+    from remat.planning.check import _compare
+
+    nan = float("nan")
+    assert _compare([torch.tensor([1.0, nan])], [torch.tensor([1.0, nan])]) == (True, 0.0)
+    assert _compare([torch.tensor([1.0, nan])], [torch.tensor([1.5, nan])]) == (False, 0.5)
+    assert _compare([torch.tensor([1.0, 2.0])], [torch.tensor([1.0, nan])]) == (False, float("inf"))
+
+
+def test_buffers_a_plan_leaves_unequal_fail_the_verdict_by_name():
+    from remat.planning.check import _buffers_differ
+
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+    planned = copy.deepcopy(plain)
+    remat.apply_activation_checkpointing(planned, check_fn=lambda m: isinstance(m, torch.nn.BatchNorm1d))
+    assert _buffers_differ(plain, planned) == ()
+    with torch.no_grad():
+        planned[2].running_mean += 1.0
+    assert _buffers_differ(plain, planned) == ("2.running_mean",)
+    rows = [StepCheck(1, 100, 200, 0.02, 0.01, True, 0.0, buffers_differ=("2.running_mean",))]
+    result = PlanCheck(rows, predicted_peak=100, predicted_extra_time=0.01, profiled_peak=200, optimizer="sgd",
+                       device="cpu")
+    assert not result.holds and not result.buffers_equal
+    assert "buffers differ from the unplanned model's at step 1 (2.running_mean)" in result.verdict()
+
+
+def test_a_plan_over_batch_norm_leaves_its_statistics_as_plain_training_does():
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(8 * 12 * 12, 4))
+
+    x = torch.randn(16, 3, 12, 12)
+    prof = remat.profile(build(), x, loss_fn=lambda out: out.pow(2).mean(), repeats=1)
+    plan = prof.price({}, segments=[["0", "1", "2"], ["3", "4", "5"]])
+    result = remat.check_plan(build, plan, x, loss_fn=lambda out: out.pow(2).mean(), steps=3, optimizer="sgd")
+    assert result.buffers_equal and result.holds, str(result)

@@ -102,6 +102,10 @@ def test_profile_and_plan_commands_on_a_user_model(user_module, tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("Predicted peak") == 2 and "== budget 85% ==" in out.stdout
     assert "refused: " in out.stdout and "smallest peak any plan reaches" in out.stdout
+    out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:batch", "--budget", "85%", "--front",
+                    cwd=user_module)
+    assert out.returncode == 0, out.stderr
+    assert "beside every-k" in out.stdout and "every-k 4 of 4" in out.stdout
     out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:keyword_batch", "--budget", "85%",
                     cwd=user_module)
     assert out.returncode == 0 and "Predicted peak" in out.stdout, out.stderr

@@ -94,3 +94,30 @@ def test_the_cuda_path_times_with_events_and_reads_the_peak_above_the_start(gpu_
         allocator["peak"] = max(allocator["peak"], 1000 + 4096)
 
     assert gpu_benchmark._measured(torch.device("cuda"), step) == (0.0125, 4096)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_the_spread_offloaded_input_and_mixed_plan_rows_run_on_both_models(gpu_benchmark, tmp_path, capsys, model):
+    out = tmp_path / "results.json"
+    modes = ["spread-*", "remat-ckpt-offload", "plan-offload-50", "plan-lowest"]
+    assert gpu_benchmark.main([*SMALLEST, "--model", model, "--modes", *modes, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "remat's plans beside the rules, predicted" in printed and "every-k 3 of 3" in printed
+    results = json.loads(out.read_text())
+    assert results["model"]["family"] == model
+    rows = {row["key"]: row for row in results["rows"]}
+    assert list(rows) == ["plain", "spread-25", "spread-50", "spread-75", "remat-ckpt-offload", "plan-offload-50",
+                          "plan-lowest"]
+    assert all(row["failure"] is None and row["median_ms"] > 0 for row in rows.values())
+    assert rows["spread-75"]["label"] == "remat checkpoint, 2 of 3 layers spread"
+    # checkpointing more layers keeps less; every layer checkpointed (the last plainly) keeps least of them
+    assert rows["spread-25"]["peak"] > rows["spread-75"]["peak"] > rows["remat-ckpt-offload"]["peak"]
+    assert rows["plan-lowest"]["predicted_peak"] <= rows["plan-offload-50"]["predicted_peak"]
+
+
+def test_quick_means_fewer_rounds_and_no_compiled_rows(gpu_benchmark):
+    args = gpu_benchmark.parse(["--quick"])
+    assert (args.rounds, args.warmup, args.profile_repeats, args.compile) == (3, 1, 2, False)
+    assert (args.hidden, args.layers) == (2048, 12)
+    args = gpu_benchmark.parse(["--quick", "--model", "gpt2", "--rounds", "5"])
+    assert (args.rounds, args.hidden, args.layers, args.batch, args.seq) == (5, 1024, 16, 8, 1024)

@@ -138,3 +138,24 @@ def test_copies_in_flight_bound_the_memory_on_cuda(engine, limit_mib):
     assert forward_reserved <= (limit_mib + 7 * 16) << 20, forward_reserved / 2**20
     # the window, plus a fetch's prefetch beyond it, the gradient flowing back, its next one and x's
     assert backward_peak <= (limit_mib + 6 * 16) << 20, backward_peak / 2**20
+
+
+def test_checkpoint_with_offloaded_inputs_is_bitwise_and_never_waits_on_the_host_on_cuda(engine):
+    torch.manual_seed(0)
+    plain = MLPStack(depth=4, width=512, hidden=1024, p=0.0).cuda()
+    model = copy.deepcopy(plain)
+    blocks = list(model.blocks)
+    assert len(remat.apply_activation_checkpointing(model, check_fn=lambda m: m in blocks, offload_inputs=True)) == 4
+    x = torch.randn(1024, 512, device="cuda")  # 2 MiB per block input: above the floor
+    params = list(plain.parameters())
+    expected, deterministic = _deterministic(lambda: plain(x * 2).square().mean(), params)
+    for warm in (True, False):  # the first step fills the pinned pool
+        torch.cuda.synchronize()
+        if not warm:
+            torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
+        try:
+            got = grads(lambda: model(x * 2).square().mean(), list(model.parameters()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _compare(expected, deterministic, got)
+    assert engine.pool().allocations >= 3  # the last block's inputs stay on the device

@@ -109,4 +109,89 @@ def test_unsteady_timings_are_measured_again_then_warned_about(monkeypatch, stea
     unsteady = [w for w in caught if issubclass(w.category, opgraph.UnsteadyTimings)]
     assert len(unsteady) == (0 if steady_on_second_try else 1)
     if unsteady:
-        assert "fresh_timings=True" in str(unsteady[0].message) and "\n" not in str(unsteady[0].message)
+        assert "not cached: profile again on a quieter machine" in str(unsteady[0].message)
+        assert "\n" not in str(unsteady[0].message)
+
+
+# ---- what is cached cannot stick when it is wrong (fake clocks: no test here depends on real timing) ----------
+def _scripted(monkeypatch, step_seconds: float, block_forward: float = 1e-3, spread: float = 0.0,
+              step_spread: float = 0.0) -> list[str]:
+    """This process's step takes ``step_seconds`` and each block's forward ``block_forward``, as scripted; returns
+    the names of the blocks timed."""
+    from remat.planning import profile as profile_module
+    from remat.planning.timecache import StepTime
+    from remat.planning.timing import OpTimes
+
+    timed = []
+
+    def time_block(record, n, repeats):
+        timed.append(record.name)
+        return OpTimes([block_forward / n] * n, [0.0] * n, block_forward, 0.0, 0.0, False, spread)
+
+    monkeypatch.setattr(opgraph, "_time_block", time_block)
+    monkeypatch.setattr(profile_module, "_time_steps", lambda *a: StepTime(step_seconds, step_spread))
+    monkeypatch.setenv("REMAT_UNSTEADY_SPREAD", "0.1")
+    return timed
+
+
+def _profile():
+    return remat.profile(_model(), torch.randn(256, 16), loss_fn=lambda out: out.sum(), repeats=2)
+
+
+def _entries(kind: str) -> dict:
+    return {k: v for k, v in json.loads((cache_dir() / "timings.json").read_text()).items() if k.startswith(kind)}
+
+
+def test_a_poisoned_cached_timing_is_caught_and_measured_again_with_one_line(monkeypatch):
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
+    timed = _scripted(monkeypatch, step_seconds=10e-3)
+    _profile()
+    measured = len(timed)
+    entries = json.loads((cache_dir() / "timings.json").read_text())
+    for key, value in entries.items():  # the block's forward cached 70 times too slow
+        if key.startswith("ops|"):
+            value.update(forward=value["forward"] * 70, device=[d * 70 for d in value["device"]])
+    (cache_dir() / "timings.json").write_text(json.dumps(entries))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = _profile()
+    stale = [w for w in caught if issubclass(w.category, remat.planning.timecache.StaleTimings)]
+    assert len(timed) == 2 * measured and len(stale) == 1 and stale[0].filename == __file__
+    message = str(stale[0].message)
+    assert "\n" not in message and message.startswith("remat.profile: the cached timings of 0 and 2 more blocks are "
+                                                      "not this machine's now (their blocks' forwards add up to 210.0 "
+                                                      "ms, more than this process's whole training step (10.0 ms));")
+    assert prof.ops.blocks["0"].forward_time == pytest.approx(1e-3)
+    assert [v["forward"] for v in _entries("ops|").values()] == [pytest.approx(1e-3)] * measured  # mended
+
+
+def test_no_timing_from_an_unsteady_round_is_cached(monkeypatch):
+    timed = _scripted(monkeypatch, step_seconds=10e-3, spread=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # UnsteadyTimings: told elsewhere
+        _profile()
+        _profile()
+    assert len(timed) == 4 * len(set(timed))  # measured, again for its spread; in both profiles: nothing kept
+    assert not (cache_dir() / "timings.json").exists() or not _entries("ops|") and not _entries("step|")
+    timed = _scripted(monkeypatch, step_seconds=10e-3, step_spread=0.5)  # steady blocks, an unsteady step
+    _profile()
+    assert _entries("ops|") and not _entries("step|")
+
+
+def test_a_plan_prints_the_share_of_the_step_its_prices_came_from(monkeypatch):
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
+    _scripted(monkeypatch, step_seconds=10e-3)
+    first = _profile()
+    timed = _scripted(monkeypatch, step_seconds=13e-3)  # another process, a little busier: the cache stands
+    again = _profile()
+    assert not timed and again.step_time == first.step_time == pytest.approx(10e-3)
+    plans = [prof.plan(0.7, allow=("checkpoint",)) for prof in (first, again)]
+    assert "checkpoint" in plans[0].decisions.values()
+    assert str(plans[0]).splitlines()[-1] == str(plans[1]).splitlines()[-1] and "%)" in str(plans[0])
+    assert plans[0].step_time == plans[1].step_time == pytest.approx(10e-3)
+    timed = _scripted(monkeypatch, step_seconds=40e-3)  # four times the step cached with the prices: stale
+    with pytest.warns(remat.planning.timecache.StaleTimings, match="the training step measured with them took "
+                      "10.0 ms, this process's 40.0 ms"):
+        moved = _profile()
+    assert timed and moved.step_time == pytest.approx(40e-3)
+    assert [v["seconds"] for v in _entries("step|").values()] == [pytest.approx(40e-3)]

@@ -15,6 +15,7 @@ from torch import nn
 import remat
 from remat.planning.plan import PlanFileError, describe_model
 from remat.planning.units import parse_budget
+from remat.planning.workflow import SummedLossWarning
 from remat.tools.cli import main
 
 
@@ -80,6 +81,13 @@ _USER_MODULE = textwrap.dedent('''
 
     def nothing():
         return None
+
+    def tokens_like_masked():
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+
+    def prewrapped():
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        return nn.Sequential(*[checkpoint_wrapper(nn.Sequential(nn.Linear(8, 8), nn.ReLU())) for _ in range(3)])
 ''')
 
 
@@ -121,7 +129,55 @@ def test_show_prints_a_saved_plan_and_a_missing_file_in_one_line(tmp_path, capsy
     assert "at inputs arg 0 4x8" in out and "Predicted peak" in out
     missing = tmp_path / "missing.json"
     code, line = _run(["show", str(missing)], capsys)
-    assert code == 2 and line == f"remat show: error: cannot read {missing} (No such file or directory)"
+    assert code == 2 and line == (f"remat show: error: cannot read the plan {missing} (No such file or directory); "
+                                  f"make one with `remat plan ... -o {missing}`")
+
+
+def test_json_s_own_at_is_not_doubled_in_the_reason(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text('{"decisions": {"0": "checkpoint"},\n "note": "a\tb",\n "x": 1}')  # a raw tab in a string
+    with pytest.raises(PlanFileError) as refused:
+        remat.Plan.load(str(path))
+    assert "(not JSON: Invalid control character at line 2, column 12)" in str(refused.value)
+    assert "at at" not in str(refused.value)
+
+
+@pytest.mark.parametrize("content", ['{"decisions": {"0": "checkpoint"}, "predicted_peak": 1', "[1, 2]", None])
+def test_show_and_check_word_a_bad_plan_file_alike_and_check_prints_nothing_before(
+        tmp_path, capsys, user_module, content):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    lines = {}
+    for command in ("show", "check"):
+        argv = [command, str(path)] if command == "show" else \
+            [command, f"{user_module}:masked", "--plan", str(path), "--input-shape", "4,8"]
+        try:
+            code = main(argv)
+        except SystemExit as exited:
+            code = exited.code
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == ""
+        lines[command] = _one_line(captured.err).removeprefix(f"remat {command}: error: ")
+    assert lines["show"] == lines["check"]
+
+
+def test_check_with_a_plan_for_another_model_prints_its_error_and_no_blank_line(tmp_path, capsys, user_module):
+    plan = _plan_for(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)), {"arg 0": "4x8"})
+    plan.save(str(tmp_path / "plan.json"))
+    argv = ["check", f"{user_module}:tokens_like_masked", "--plan", str(tmp_path / "plan.json"),
+            "--input-shape", "4,8"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert _one_line(captured.err).startswith("remat check: error: block 0 has other parameters than in the plan")
+
+
+def test_a_dot_where_the_colon_belongs_is_told_with_the_fix(capsys):
+    code, line = _run(["plan", "mymodels.seqcnn", "--budget", "50%"], capsys)
+    assert code == 2
+    assert line == ("remat plan: error: MODULE:FACTORY must look like package.module:function, got "
+                    "'mymodels.seqcnn'; did you mean mymodels:seqcnn?")
 
 
 # ---- 2. inputs that do not fit the forward -----------------------------------------------------------
@@ -169,6 +225,65 @@ def test_a_plan_applied_to_something_else_than_a_module_says_so():
     plan = _plan_for(nn.Sequential(Block(), Block()), {})
     with pytest.raises(TypeError, match=r"^remat.Plan.apply: expected the torch.nn.Module .*got Tensor"):
         plan.apply(torch.ones(2))
+
+
+def _torch_wrapped(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def _hf_llama(switch):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    if switch == "remat.enable":
+        from remat.integrations.transformers import enable
+
+        enable(model)
+    else:
+        switch = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        switch()  # transformers' own, under its name in this version
+    return model
+
+
+@pytest.mark.parametrize("how, words", [
+    ("remat", "blocks.0 and 2 more of Masked already checkpoint (remat's checkpoint/offload wrappers or a plan)"),
+    ("torch", "blocks.0 and 2 more of Masked already checkpoint (torch's checkpoint_wrapper)"),
+    ("transformers", "LlamaForCausalLM has transformers' gradient checkpointing on (model.layers.0 and 1 more;"),
+    ("remat.enable", "LlamaForCausalLM has transformers' gradient checkpointing on (model.layers.0 and 1 more;"),
+])
+@pytest.mark.parametrize("who", ["remat.profile", "remat.plan"])
+def test_a_model_whose_blocks_already_checkpoint_is_told_so_with_the_fix(how, words, who):
+    if how in ("remat", "torch"):
+        model, inputs = Masked(), {"x": torch.randn(4, 8), "mask": torch.ones(4, 8)}
+        if how == "remat":
+            remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        else:
+            _torch_wrapped(model)
+    else:
+        model = _hf_llama(how)
+        ids = torch.randint(0, 64, (2, 8))
+        inputs = {"input_ids": ids, "labels": ids}
+    with pytest.raises(ValueError) as refused:
+        if who == "remat.profile":
+            remat.profile(model, **inputs, repeats=1)
+        else:
+            remat.plan(model, **inputs, budget="50%")
+    line = _one_line(str(refused.value))
+    assert line.startswith(f"{who}: {words}"), line
+    fix = "_checkpointing_disable() first" if how in ("transformers", "remat.enable") else "plan.remove(model)"
+    assert fix in line and "the plan does the checkpointing" in line.replace("it does the", "the plan does the")
+
+
+def test_the_command_tells_a_model_that_already_checkpoints_in_one_line(user_module, capsys):
+    code, line = _run(["plan", f"{user_module}:prewrapped", "--input-shape", "4,8", "--budget", "50%"], capsys)
+    assert code == 2
+    assert line.startswith("remat plan: error: 0 and 2 more of Sequential already checkpoint (torch's "
+                           "checkpoint_wrapper)"), line
 
 
 # ---- 3 and 4. budgets --------------------------------------------------------------------------------
@@ -258,6 +373,36 @@ def test_the_first_forward_at_another_shape_warns_once_naming_both_shapes():
     assert "arg 0 2x256x8 (the plan was made at 2x64x8)" in line
     assert "predicted peak and extra time do not hold" in line and "plan again at this shape" in line
     assert shapes[0].filename == __file__  # pointed at the user's call
+
+
+def _unsteady(monkeypatch):
+    """Every block's timed forwards vary by half their median: the profile warns (UnsteadyTimings)."""
+    from remat.planning import opgraph
+
+    real = opgraph._time_block
+    monkeypatch.setattr(opgraph, "_time_block", lambda *a: opgraph.replace(real(*a), spread=0.5))
+    monkeypatch.setenv("REMAT_UNSTEADY_SPREAD", "0.1")
+
+
+@pytest.mark.parametrize("what", ["unsteady timings", "summed loss", "blocks left out"])
+def test_remat_s_warnings_name_the_user_s_line(what, monkeypatch):
+    model = nn.Sequential(Block(), Block(), Block())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if what == "unsteady timings":
+            _unsteady(monkeypatch)
+            remat.profile(model, torch.randn(4, 8), loss_fn=lambda out: out.sum(), repeats=1)
+            category = remat.UnsteadyTimings
+        elif what == "summed loss":
+            remat.profile(model, torch.randn(4, 8), repeats=1, ops=False)
+            category = SummedLossWarning
+        else:
+            plan = _plan_for(nn.Sequential(Block(), Block()), {})
+            plan.meta.pop("candidates", None)
+            plan.apply(model)
+            category = UserWarning
+    told = [w for w in caught if issubclass(w.category, category)]
+    assert told and all(w.filename == __file__ for w in told), [(w.filename, w.lineno) for w in told]
 
 
 def test_the_same_shapes_an_old_plan_file_and_a_removed_plan_warn_nothing(tmp_path):

@@ -9,15 +9,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..engine.checks import metadata_fn_for
 from ..engine.nonreentrant import run_nonreentrant
 from ..engine.reentrant import CheckpointFunction
 from ..policies import rules
 from ..policies.compiled import checkpoint_in_graph
+from ..policies.offload import offload
 from ..policies.selective import create_selective_checkpoint_contexts
 
 __all__ = [
+    "OFFLOAD_INPUTS_MIN_BYTES",
     "checkpoint",
     "noop_context_fn",
     "resolve_policy",
@@ -72,6 +75,28 @@ def resolve_policy(policy: Any, who: str = "remat.checkpoint") -> Any:
     raise TypeError(f"{who}: policy must be the name of a ready-made policy ({' or '.join(map(repr, _ready_made()))}), "
                     "a policy such as remat.policies.save_names('attn_out'), a function (ctx, op, *args, **kwargs) -> "
                     f"CheckpointPolicy, or a list of ops whose outputs to keep; got {type(policy).__name__}.")
+
+
+OFFLOAD_INPUTS_MIN_BYTES = 1 << 20
+"""The smallest input ``offload_inputs=True`` moves: below it the copy costs more than the memory it frees (an
+attention mask, position ids; Transformer Engine, Megatron and Unsloth set their floors near this)."""
+
+
+def _input_offloader(offload_inputs: bool | int, args: tuple, kwargs: dict) -> offload | None:
+    """The hooks the region's inputs are saved under when ``offload_inputs`` asks to move them, else None."""
+    if offload_inputs is False:
+        return None
+    if offload_inputs is True:
+        floor = OFFLOAD_INPUTS_MIN_BYTES
+    elif isinstance(offload_inputs, int) and offload_inputs >= 0:
+        floor = offload_inputs
+    else:
+        raise TypeError("remat.checkpoint: offload_inputs must be True, False or the smallest input to move in "
+                        f"bytes (an int >= 0); got {offload_inputs!r}.")
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not inputs:
+        return None
+    return offload(min_bytes=floor, device_type=inputs[0].device.type)
 
 
 class _GlobalSwitch:
@@ -130,6 +155,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     policy: Any = None,
+    offload_inputs: bool | int = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
@@ -144,11 +170,25 @@ def checkpoint(
     Under ``torch.compile`` the region and its policy go into the compiled
     graph (see :mod:`remat.policies.compiled`).
 
+    ``offload_inputs=True`` ("offloaded gradient checkpointing") also moves the
+    inputs the region keeps for its recomputation to host memory: each input
+    of at least :data:`OFFLOAD_INPUTS_MIN_BYTES` (an int sets another floor)
+    is copied out on the copy engine's side stream as soon as forward saves it
+    and copied back one region ahead in backward, when the region saved just
+    after it is recomputed (:mod:`remat.policies.hostcopy`; pinned host buffers
+    reused from step to step).  Gradients are bitwise those without it.  Leave
+    it off on the last region of a chain: backward needs its inputs first, with
+    no other region's backward to hide their copy back behind.  Not with
+    ``use_reentrant=True``; under ``torch.compile`` the inputs stay on the
+    device.
+
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
         >>> x = torch.randn(4, 8, requires_grad=True)
         >>> y = remat.checkpoint(block, x)
         >>> y.sum().backward()
+        >>> z = remat.checkpoint(block, torch.randn(4, 8) * 2, offload_inputs=0)  # inputs go to host memory
+        >>> z.sum().backward()
     """
     preserve_rng_state = kwargs.pop("preserve_rng_state", True)
     if policy is not None:
@@ -161,8 +201,8 @@ def checkpoint(
                 f"remat: the reentrant checkpoint takes no keyword arguments for the function "
                 f"(got {', '.join(kwargs)}); pass use_reentrant=False or bind them with functools.partial."
             )
-        if context_fn is not noop_context_fn or debug:
-            raise ValueError("remat: context_fn, policy and debug need use_reentrant=False.")
+        if context_fn is not noop_context_fn or debug or offload_inputs is not False:
+            raise ValueError("remat: context_fn, policy, debug and offload_inputs need use_reentrant=False.")
     metadata_fn = metadata_fn_for(determinism_check)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and
@@ -170,13 +210,23 @@ def checkpoint(
         return checkpoint_in_graph(function, args, kwargs, None if context_fn is noop_context_fn else context_fn)
     if use_reentrant:
         return CheckpointFunction.apply(function, preserve_rng_state, *args)
-    return run_nonreentrant(
-        function,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        metadata_fn=metadata_fn,
-        debug=set_checkpoint_debug_enabled.resolve(debug),
-        early_stop=set_checkpoint_early_stop.resolve(early_stop),
-    )
+    offloader = _input_offloader(offload_inputs, args, kwargs)
+    # The region saves its inputs before its own hooks take over: the offloader's hooks see those saves only.
+    with offloader if offloader is not None else contextlib.nullcontext():
+        result = run_nonreentrant(
+            function,
+            args,
+            kwargs,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+            metadata_fn=metadata_fn,
+            debug=set_checkpoint_debug_enabled.resolve(debug),
+            early_stop=set_checkpoint_early_stop.resolve(early_stop),
+        )
+    if offloader is not None:
+        # Its fetch in backward brings back as many tensors as it sent (the region saved just before is run
+        # alike): the previous region's inputs, one region ahead.  Inputs an earlier region sent already (a
+        # mask every layer takes) travel once and are not counted.
+        stats = offloader.stats
+        offloader.prefetch_depth = max(1, stats.offloaded_tensors - stats.shared_tensors)
+    return result

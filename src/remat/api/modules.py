@@ -149,8 +149,12 @@ def checkpoint_wrapper(
 ) -> CheckpointWrapper:
     """Wrap ``module`` so its forward is checkpointed.
 
+    ``checkpoint_fn_kwargs`` go to :func:`remat.checkpoint` (``policy=``, ``offload_inputs=True`` to keep the
+    inputs in host memory until backward).
+
     Example:
         >>> block = checkpoint_wrapper(torch.nn.Linear(4, 4), preserve_rng_state=False)
+        >>> first = checkpoint_wrapper(torch.nn.Linear(4, 4), offload_inputs=True)
     """
     return CheckpointWrapper(module, checkpoint_impl, checkpoint_fn, **checkpoint_fn_kwargs)
 
@@ -252,6 +256,7 @@ def apply_activation_checkpointing(
     every_n: int = 1,
     policy: Any = None,
     use_reentrant: bool = False,
+    offload_inputs: bool | int = False,
 ) -> list[str]:
     """Wrap, in place, every ``every_n``-th submodule for which ``check_fn`` is true.
 
@@ -269,6 +274,10 @@ def apply_activation_checkpointing(
     parameters its wrapped children left over, so a parent may be wrapped
     around wrapped children when the policy says so.
 
+    ``offload_inputs`` (see :func:`remat.checkpoint`) moves the inputs of
+    every wrapped module but the last to host memory: backward starts with the
+    last one, so its inputs' copy back would have nothing to hide behind.
+
     Example:
         >>> model = remat.models.GPT()
         >>> apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
@@ -278,6 +287,9 @@ def apply_activation_checkpointing(
     """
     if every_n < 1:
         raise ValueError(f"every_n must be >= 1, got {every_n}.")
+    if offload_inputs is not False and checkpoint_wrapper_fn is not checkpoint_wrapper:
+        raise ValueError("apply_activation_checkpointing: offload_inputs needs the default checkpoint_wrapper_fn; "
+                         "pass offload_inputs to your own wrapper instead.")
     if checkpoint_wrapper_fn is checkpoint_wrapper and (use_reentrant or policy is not None):
         impl = CheckpointImpl.REENTRANT if use_reentrant else CheckpointImpl.NO_REENTRANT
         extra = {} if policy is None else {"policy": policy}
@@ -290,10 +302,13 @@ def apply_activation_checkpointing(
     placed = [(name, model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], module, kwargs)
               for name, module, kwargs in targets]
     wrapped = []
+    last = max(range(0, len(placed), every_n), default=-1)
     for position, (name, parent, child, module, wrapper_kwargs) in enumerate(placed):
         if position % every_n:
             continue
         module._remat_path = _public_name(name)
+        if offload_inputs is not False and position != last:
+            wrapper_kwargs = {**wrapper_kwargs, "offload_inputs": offload_inputs}
         setattr(parent, child, checkpoint_wrapper_fn(module, **wrapper_kwargs))
         wrapped.append(_public_name(name))
     return wrapped

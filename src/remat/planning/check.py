@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import statistics
 import warnings
@@ -45,7 +46,9 @@ class StepCheck:
 
     ``peak`` and ``unplanned_peak``: bytes above parameters and buffers at the step's peak; ``time`` and
     ``unplanned_time``: device seconds of the forward and backward; ``max_grad_diff``: the largest absolute
-    difference between the two copies' gradients (0.0 when ``grads_equal``, i.e. bitwise equal).
+    difference between the two copies' gradients (0.0 when ``grads_equal``, i.e. bitwise equal; NaNs in the
+    same places count as equal); ``loss`` and ``unplanned_loss``: each copy's loss; ``buffers_differ``: the
+    buffers (batch norm's statistics, ...) the two copies' forwards left unequal, by name.
     """
 
     step: int
@@ -55,6 +58,9 @@ class StepCheck:
     unplanned_time: float
     grads_equal: bool
     max_grad_diff: float
+    loss: float = 0.0
+    unplanned_loss: float = 0.0
+    buffers_differ: tuple[str, ...] = ()
 
 
 @dataclass
@@ -97,9 +103,21 @@ class PlanCheck:
         return all(row.grads_equal for row in self.rows)
 
     @property
+    def losses_equal(self) -> bool:
+        """Every step's loss is the same with and without the plan (NaN on both sides counts as the same)."""
+        return all(_same_value(row.loss, row.unplanned_loss) for row in self.rows)
+
+    @property
+    def buffers_equal(self) -> bool:
+        """After every step the planned copy's buffers equal the unplanned copy's, bitwise."""
+        return not any(row.buffers_differ for row in self.rows)
+
+    @property
     def holds(self) -> bool:
-        """Every step peaked within ``peak_tolerance`` of the prediction, with gradients bitwise equal."""
-        return bool(self.rows) and self.peaks_hold and self.grads_equal
+        """Every step peaked within ``peak_tolerance`` of the prediction, with losses, gradients and buffers
+        bitwise equal."""
+        return (bool(self.rows) and self.peaks_hold and self.grads_equal and self.losses_equal
+                and self.buffers_equal)
 
     @property
     def extra_time(self) -> float:
@@ -143,13 +161,40 @@ class PlanCheck:
                 reasons.append(f"{steps} peaked off the predicted {predicted} above parameters by more than "
                                f"{allowed} (step {first.step}: {format_bytes(first.peak)}, "
                                f"{self.peak_error(first):+.1%})")
-            differing = [row for row in self.rows if not row.grads_equal]
-            if differing:
-                worst = max(row.max_grad_diff for row in differing)
-                reasons.append(f"gradients differ from the unplanned model's at {_steps(differing)} "
-                               f"(max |Δ| {worst:.3g})")
+            reasons.extend(self._loss_and_grad_reasons())
             head = "the plan does not hold: " + "; ".join(reasons or ["no step was run"])
+        diverged = [row for row in self.rows if not math.isfinite(row.unplanned_loss)]
+        if diverged:  # the training itself diverges: what the check compared is NaN / inf with or without the plan
+            first = diverged[0]
+            head += (f"; without the plan too the loss is {first.unplanned_loss} from step {first.step}: the training "
+                     "diverges (learning rate, inputs, loss), which no plan causes or fixes")
         return f"{head}; {self._time_clause()}" if self.rows else head
+
+    def _loss_and_grad_reasons(self) -> list[str]:
+        """Why the planned copy did not train as the unplanned one: its loss first (NaN, or another value),
+        then its gradients."""
+        reasons = []
+        lost = [row for row in self.rows if not math.isfinite(row.loss) and math.isfinite(row.unplanned_loss)]
+        if lost:
+            first = lost[0]
+            reasons.append(f"under the plan the loss is {first.loss} at {_steps(lost)} where without it it is "
+                           f"{first.unplanned_loss:.6g}")
+        apart = [row for row in self.rows if row not in lost and not _same_value(row.loss, row.unplanned_loss)]
+        if apart:
+            first = apart[0]
+            reasons.append(f"the loss differs from the unplanned model's at {_steps(apart)} (step {first.step}: "
+                           f"{first.loss:.9g} vs {first.unplanned_loss:.9g})")
+        differing = [row for row in self.rows if not row.grads_equal]
+        if differing:
+            worst = max(row.max_grad_diff for row in differing)
+            reasons.append(f"gradients differ from the unplanned model's at {_steps(differing)} "
+                           f"(max |Δ| {worst:.3g})")
+        moved = [row for row in self.rows if row.buffers_differ]
+        if moved:
+            names = moved[0].buffers_differ
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            reasons.append(f"buffers differ from the unplanned model's at {_steps(moved)} ({shown})")
+        return reasons
 
     def _time_clause(self) -> str:
         measured, predicted = self.extra_time * 1e3, self.predicted_extra_time * 1e3
@@ -179,6 +224,10 @@ class PlanCheck:
 def grads_cell(row: StepCheck) -> str:
     """How a step's gradient comparison reads in a table: ``equal``, or the largest difference."""
     return "equal" if row.grads_equal else f"max |Δ| {row.max_grad_diff:.3g}"
+
+
+def _same_value(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _steps(rows: list[StepCheck]) -> str:
@@ -246,7 +295,8 @@ def check_plan(
         measured = {id(run): run.step(loss_of, inputs, input_kwargs, seed + step, clock) for run in order}
         base, under_plan = (measured[id(run)] for run in runs)
         equal, diff = _compare(base.grads, under_plan.grads)
-        row = StepCheck(step, under_plan.peak, base.peak, under_plan.seconds, base.seconds, equal, diff)
+        row = StepCheck(step, under_plan.peak, base.peak, under_plan.seconds, base.seconds, equal, diff,
+                        under_plan.loss, base.loss, _buffers_differ(*(run.model for run in runs)))
         rows.append(row)
         for run in runs:
             run.optimizer.step()
@@ -284,6 +334,7 @@ class _Measured:
     peak: int
     seconds: float
     grads: list[torch.Tensor | None]
+    loss: float
 
 
 class _Run:
@@ -295,9 +346,11 @@ class _Run:
         self.params = list(model.parameters())  # the same order in both copies: wrappers add no parameters
         self.optimizer = make_optimizer(self.params)
 
-    def _pass(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int) -> None:
+    def _pass(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        loss_of(self.model(*inputs, **kwargs)).backward()
+        loss = loss_of(self.model(*inputs, **kwargs))
+        loss.backward()
+        return loss.detach()
 
     def warm_up(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int,
                 clock: Clock) -> None:
@@ -309,8 +362,8 @@ class _Run:
     def step(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int, clock: Clock
              ) -> _Measured:
         """One forward and backward: its peak above parameters, its device seconds, the gradients it left."""
-        def run() -> None:
-            self._pass(loss_of, inputs, kwargs, seed)
+        def run() -> torch.Tensor:
+            return self._pass(loss_of, inputs, kwargs, seed)
 
         for p in self.params:
             p.grad = None  # before measuring: the last step's gradients are no part of this step's peak
@@ -319,21 +372,26 @@ class _Run:
             stats.synchronize(clock.device)
             stats.reset_peak_memory_stats(clock.device)
             start = stats.memory_allocated(clock.device)
-            _, seconds, _ = clock.time(run)
+            loss, seconds, _ = clock.time(run)
             peak = stats.max_memory_allocated(clock.device) - start
-            return _Measured(peak, seconds, [p.grad for p in self.params])
+            return _Measured(peak, seconds, [p.grad for p in self.params], _scalar(loss))
         peak = measure_step(run, self.model).peak_above_params
         grads = [p.grad for p in self.params]
         buffers = [b.clone() for b in self.model.buffers()]  # a forward in training may update them (batch norm)
         for p in self.params:
             p.grad = None
-        _, seconds, _ = clock.time(run)  # the same pass again, from the same weights and seed, untracked
+        loss, seconds, _ = clock.time(run)  # the same pass again, from the same weights and seed, untracked
         with torch.no_grad():
             for buffer, before in zip(self.model.buffers(), buffers):
                 buffer.copy_(before)
         for p, grad in zip(self.params, grads):
             p.grad = grad
-        return _Measured(peak, seconds, grads)
+        return _Measured(peak, seconds, grads, _scalar(loss))
+
+
+def _scalar(loss: torch.Tensor) -> float:
+    """The loss as a number (its sum where the loss function returned more than one)."""
+    return float(loss.float().sum())
 
 
 def _allocator(device: torch.device) -> Any:
@@ -343,6 +401,13 @@ def _allocator(device: torch.device) -> Any:
     module = getattr(torch, device.type, None)
     needed = ("max_memory_allocated", "memory_allocated", "reset_peak_memory_stats", "synchronize")
     return module if all(hasattr(module, name) for name in needed) else None
+
+
+def _buffers_differ(expected: nn.Module, got: nn.Module) -> tuple[str, ...]:
+    """The names (``expected``'s) of the buffers two copies of a model hold unequal; NaNs in the same places are
+    equal.  In order: a plan's wrappers rename buffers (one level more), add none and keep their order."""
+    return tuple(name for (name, mine), theirs in zip(expected.named_buffers(), got.buffers(), strict=True)
+                 if not _compare([mine], [theirs])[0])
 
 
 def _compare(expected: list[torch.Tensor | None], got: list[torch.Tensor | None]) -> tuple[bool, float]:
@@ -356,6 +421,10 @@ def _compare(expected: list[torch.Tensor | None], got: list[torch.Tensor | None]
         if a.shape != b.shape:
             return False, float("inf")
         if not torch.equal(a, b):
+            both_nan = a.isnan() & b.isnan()
+            if bool(((a == b) | both_nan).all()):  # NaN where the other copy has NaN: the same gradient
+                continue
             equal = False
-            worst = max(worst, (a.double() - b.double()).abs().max().item())
+            apart = (a.double() - b.double()).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=float("inf"))
+            worst = max(worst, apart.max().item())
     return equal, worst

@@ -8,19 +8,15 @@ batch and sequence length.  :func:`describe_inputs` records the shapes (``plan.m
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["InputShapeWarning", "describe_inputs", "input_mismatch", "unwatch", "watch_first_forward"]
+from .userline import user_stacklevel
 
-_INSIDE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-           os.path.dirname(nn.Module.__call__.__code__.co_filename))
-"""remat's folder and torch.nn's modules': frames a warning about the user's call skips."""
+__all__ = ["InputShapeWarning", "describe_inputs", "input_mismatch", "unwatch", "watch_first_forward"]
 
 _EXPECTED = "_remat_planned_inputs"
 _HOOK = "_remat_inputs_hook"
@@ -117,12 +113,4 @@ def _check_first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
         warnings.warn(InputShapeWarning(
             f"remat.Plan: {type(module).__name__} runs on {problem}, so the plan's predicted peak and extra time do "
             "not hold (activation memory scales with batch and sequence length); plan again at this shape."),
-            stacklevel=_user_stacklevel())
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the caller's first frame outside remat and torch.nn: the line that called the model."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
-        frame, level = frame.f_back, level + 1
-    return level
+            stacklevel=user_stacklevel())

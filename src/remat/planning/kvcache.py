@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from .userline import user_stacklevel
+
 __all__ = ["cache_off", "cache_off_in_training", "caching_configs", "restore_cache"]
 
 _HOOKS = "_remat_cache_hooks"
@@ -65,7 +67,7 @@ def cache_off(model: nn.Module, kwargs: dict[str, Any], who: str) -> Iterator[di
         warnings.warn(f"{who}: use_cache=True is incompatible with checkpointing in training; profiling "
                       f"{type(model).__name__} with use_cache=False, as transformers trains with gradient "
                       "checkpointing, and a plan applied to it trains it so too (its config is left as it was; "
-                      "evaluation keeps the cache).", stacklevel=4)
+                      "evaluation keeps the cache).", stacklevel=user_stacklevel())
         model.__dict__[_TOLD] = True  # Plan.apply on this model says nothing more
     for config in configs:
         config.use_cache = False
@@ -92,7 +94,8 @@ def cache_off_in_training(model: nn.Module) -> None:
     if any(config.use_cache for config in configs) and not model.__dict__.get(_TOLD):
         warnings.warn(f"remat.Plan.apply: {type(model).__name__} has use_cache=True, which is incompatible with "
                       "checkpointing in training; its training-mode forwards will run with use_cache=False, as "
-                      "transformers does with gradient checkpointing (evaluation keeps the cache).", stacklevel=3)
+                      "transformers does with gradient checkpointing (evaluation keeps the cache).",
+                      stacklevel=user_stacklevel())
     # The configs are filed on the model, found once (walking the modules costs ~0.4 ms a step on a Llama):
     # a deep copy of the model (an EMA copy) copies them with it and switches its own, and the model still
     # pickles.  Module-level hooks, for the same reasons.

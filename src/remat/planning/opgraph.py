@@ -66,10 +66,11 @@ from ..policies.selective import create_selective_checkpoint_contexts
 from .blockpolicy import BlockPolicy
 from .discovery import resolve_blocks
 from .overheads import Overheads, measure_overheads
-from .timecache import TimingCache, timings_cache
+from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 from .units import format_bytes
 from .untouched import left_as_found
+from .userline import user_stacklevel
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
 
@@ -187,6 +188,7 @@ class OpProfile:
     blocks: dict[str, BlockGraph]
     device: str
     notes: list[str] = field(default_factory=list)
+    step_time: float | None = None  # the step time the op times go with, when given a reference_step
 
     @property
     def distinct(self) -> list[BlockGraph]:
@@ -467,6 +469,7 @@ def profile_ops(
     throughput: float = 100e12,
     bandwidth: float = 2e12,
     overheads: Overheads | None = None,
+    reference_step: StepTime | None = None,
     **example_kwargs: Any,
 ) -> OpProfile:
     """Record the op graph of every candidate block of ``model`` on ``example_inputs`` (one forward).
@@ -480,7 +483,9 @@ def profile_ops(
     costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
     times are estimated, and copies at ``bandwidth``, read plus write).  The RNG
-    state is left as it was.
+    state is left as it was.  ``reference_step``: this process's training step
+    time, against which cached times are checked (:func:`~remat.planning.timecache.stale`);
+    the result's ``step_time`` is then the step time the op times go with.
 
     Example:
         >>> model = remat.models.GPT()
@@ -539,40 +544,43 @@ def profile_ops(
                         cache.put("overheads", "", device, dataclasses.asdict(overheads))
                     if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                         overheads = replace(overheads, copy_per_byte=2 / bandwidth)
-                graphs = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device)
+                graphs, step_time = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device,
+                                            reference_step, model_key(model, tensors))
     finally:
         for handle in handles:
             handle.remove()
     missing = [name for name, _ in blocks if name not in graphs]
     notes = [f"{', '.join(missing)} did not run in the forward; no graph"] if missing else []
     device = str(next(iter(tensors)).device) if tensors else "cpu"
-    return OpProfile(blocks=graphs, device=device, notes=notes)
+    return OpProfile(blocks=graphs, device=device, notes=notes, step_time=step_time)
 
 
 def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overheads, repeats: int,
-            measure_policy: bool, cache: TimingCache, device: str) -> dict[str, BlockGraph]:
-    by_signature: dict[str, BlockGraph] = {}
-    graphs = {}
+            measure_policy: bool, cache: TimingCache, device: str, step: StepTime | None, key: str
+            ) -> tuple[dict[str, BlockGraph], float | None]:
+    """Every block's graph (blocks of one signature share one) timed from the cache or measured, and the step
+    time those times go with (None without a ``step``)."""
+    graphs: dict[str, BlockGraph] = {}
+    timed: dict[str, tuple[BlockGraph, _BlockRecord]] = {}  # per signature: the graph its blocks share, the one timed
     for name, record in records.items():
         graph = _graph(record, estimated, overheads)
-        shared = by_signature.get(graph.signature)
-        if shared is None:
-            if not estimated:
-                cached = cache.get("ops", graph.signature, device)
-                if cached is None:
-                    measured = _steady_times(record, len(graph.nodes), repeats)
-                    cached = cache.put("ops", graph.signature, device, dataclasses.asdict(measured))
-                timing = OpTimes(**cached)
-                graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
-                               for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
-                graph.forward_time = timing.forward
-                graph.asynchronous = timing.asynchronous
-                if measure_policy:
-                    graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
-                                              policy_replay=timing.policy_replay)
-            shared = by_signature[graph.signature] = graph
-        graphs[name] = shared
-    return graphs
+        graphs[name] = timed.setdefault(graph.signature, (graph, record))[0]
+    if estimated:
+        return graphs, None
+    times, step_time = cached_times(
+        cache, device, {name: g.signature for name, g in graphs.items()}, step, key, _unsteady(),
+        lambda signature: dataclasses.asdict(_steady_times(timed[signature][1], len(timed[signature][0].nodes),
+                                                           repeats)))
+    for signature, (graph, _) in timed.items():
+        timing = OpTimes(**times[signature])
+        graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
+                       for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
+        graph.forward_time = timing.forward
+        graph.asynchronous = timing.asynchronous
+        if measure_policy:
+            graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
+                                      policy_replay=timing.policy_replay)
+    return graphs, step_time
 
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
@@ -584,8 +592,7 @@ def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
         if timing.spread > limit:
             warnings.warn(UnsteadyTimings(
                 f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
-                "(is the machine busy?); plans priced from these times may differ from run to run. Profile on a "
-                "quieter machine, or again with fresh timings (remat.profile(..., fresh_timings=True), "
-                "remat plan --fresh-timings)."), stacklevel=4)
+                "(is the machine busy?); plans priced from these times may differ from run to run, and they are "
+                "not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
     return pooled(timing, record.work)
 

@@ -28,20 +28,22 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..api.checkpoint import OFFLOAD_INPUTS_MIN_BYTES
 from ..policies.hostcopy import engine_for
 from ..policies.offload import PREFETCH_DEPTH
 from .blockpolicy import BlockPolicy
+from .copies import copy_waits, link_for, prefetch_wait
 from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
 from .profile import ModuleProfile, StepProfile
 
-__all__ = ["BlockOption", "block_options", "selective_options"]
+__all__ = ["BlockOption", "block_options", "selective_options", "step_extra_time"]
 
-OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload")
+OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload")
 ALLOWED = OPTIONS[1:]
-# Offloading is asked for by name: on an H100 a Llama layer that offloaded 32 MiB of op outputs measured
-# ~4 ms of extra time, priced ~2 ms, and no plan measured faster with offloads than without.
-DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective")
+# Offloading op outputs is asked for by name: on an H100 a Llama layer that offloaded 32 MiB of op outputs
+# measured ~4 ms of extra time, priced ~2 ms, and no plan measured faster with offloads than without.
+DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload")
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice: where none was measured
 _GRID = 2.0**32  # prices per second
 
@@ -60,7 +62,8 @@ class BlockOption:
     block the offload hooks' copies may hold on the device at once (the copy engine's window, plus one entry):
     counted once in the step's peak, whichever blocks offload.  ``span``: how many consecutive blocks, from
     this one, the option runs as one region (a ``segment``, :mod:`remat.planning.chain`); ``kept`` and
-    ``transient`` are then the region's.
+    ``transient`` are then the region's.  ``moved``: bytes of the block's inputs that go to host memory until
+    its backward (``checkpoint_offload``), whose copies :func:`step_extra_time` prices on the step's timeline.
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -78,6 +81,7 @@ class BlockOption:
     copy_time: float = field(default=0.0, compare=False)  # of extra_time: offload copies left unhidden
     in_flight: int = field(default=0, compare=False)
     span: int = 1
+    moved: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that
@@ -123,6 +127,8 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
                                        max(0, row.recompute_bytes - row.matmul_spared_bytes), True))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
+        if "checkpoint_offload" in allow and on_accelerator and row is not prof.rows[-1]:
+            choices += _checkpoint_offload(prof, row, prof.rows[prof.rows.index(row) + 1])
         if "offload" in allow and on_accelerator:
             copy_time = 2 * row.own_bytes / link
             # Copies run behind the compute stream by up to the engine's window, plus one entry (a tensor going
@@ -130,9 +136,52 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
             graph = prof.ops.blocks.get(row.name) if prof.ops is not None else None
             largest = max((s.nbytes for s in graph.storages if s.saved), default=0) if graph is not None else 0
             in_flight = min(row.own_bytes - row.held_bytes, window + (PREFETCH_DEPTH + 1) * largest)
-            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True, in_flight=in_flight))
+            choices.append(BlockOption("offload", row.held_bytes, copy_time, 0, True, copy_time=copy_time,
+                                       in_flight=in_flight))
         per_block.append(choices)
     return per_block
+
+
+def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProfile) -> list[BlockOption]:
+    """Checkpoint with the block's inputs in host memory until its backward (``checkpoint(offload_inputs=True)``).
+
+    Never for the chain's last block: backward starts with it, so its inputs' copy back would have no other
+    block's backward to run behind.  Their copy back starts when backward reaches the next block; it costs the
+    time it outlasts that block's backward (twice its forward; its recomputation, if any, not counted).  In
+    flight: the inputs of two blocks at once (the block's own in its backward, the previous block's on their
+    way back; in forward, one copy out the allocator cannot reuse before it completes), one window for the step.
+    """
+    moved = row.held_bytes
+    if moved < OFFLOAD_INPUTS_MIN_BYTES or row.checkpoint_time == float("inf"):
+        return []
+    wait = prefetch_wait(moved, 2 * after.forward_time, link_for(prof.device))
+    return [BlockOption("checkpoint_offload", row.held_bytes - moved, row.checkpoint_time + wait,
+                        row.recompute_bytes, True, copy_time=wait, in_flight=2 * moved, moved=moved)]
+
+
+def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
+    """Extra seconds of ``chosen`` (one option per run of blocks, in order): the options' prices, with the copies
+    back of the inputs ``checkpoint_offload`` moves priced on the step's timeline (:func:`copy_waits`: each
+    behind the backward, recomputation included, that the plan runs before its block's) instead of each alone.
+
+    Example:
+        >>> step_extra_time(prof, [keep, checkpoint_offload, checkpoint])
+    """
+    total = sum(o.extra_time for o in chosen)
+    if not any(o.moved for o in chosen):
+        return total
+    n = len(prof.rows)
+    recompute, moved = [0.0] * n, [0] * n
+    p = 0
+    for o in chosen:
+        # a region reruns when backward reaches its last block; its copies' price is what the timeline says
+        recompute[p + o.span - 1] = o.extra_time - o.copy_time
+        moved[p] = o.moved
+        total -= o.copy_time if o.moved else 0.0
+        p += o.span
+    forward = [row.forward_time for row in prof.rows]
+    head = max(0.0, prof.step_time - 3 * sum(forward))
+    return total + sum(copy_waits(forward, recompute, moved, link_for(prof.device), head))
 
 
 def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12, offload: bool = False

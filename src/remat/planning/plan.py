@@ -31,6 +31,7 @@ from .blockpolicy import BlockPolicy
 from .inputs import unwatch, watch_first_forward
 from .kvcache import cache_off_in_training, restore_cache
 from .units import format_bytes
+from .userline import user_stacklevel
 
 __all__ = ["Plan", "PlanFileError", "describe_model"]
 
@@ -163,7 +164,7 @@ class Plan:
             shown = ", ".join(left_out[:4]) + (f" and {len(left_out) - 4} more" if len(left_out) > 4 else "")
             warnings.warn(f"remat.Plan.apply: the plan covers {len(self.decisions)} blocks and leaves out "
                           f"{len(left_out)} like them ({shown}), which stay unwrapped; make a plan for this model "
-                          "to decide about them too.", stacklevel=3)
+                          "to decide about them too.", stacklevel=user_stacklevel())
 
     def remove(self, model: nn.Module) -> nn.Module:
         """Undo :meth:`apply`. Returns ``model``.
@@ -208,7 +209,8 @@ class Plan:
             if error.pos >= len(error.doc.rstrip()):
                 reason = f"truncated JSON: it stops at line {error.lineno}"
             else:
-                reason = f"not JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+                # json's messages may end in "at" ("Unterminated string starting at"): one "at" before the place
+                reason = f"not JSON: {error.msg.removesuffix(' at')} at line {error.lineno}, column {error.colno}"
             raise PlanFileError(_not_a_plan(path, reason)) from None
         problem = _malformed(data)
         if problem:
@@ -441,6 +443,7 @@ def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
 _WRAPPERS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "checkpoint": checkpoint_wrapper,
     "save_matmuls": lambda m: checkpoint_wrapper(m, policy=save_matmuls),
+    "checkpoint_offload": lambda m: checkpoint_wrapper(m, offload_inputs=True),
     # every saved activation moves, as the option is priced (the wrapper's default keeps tensors under 1 MiB)
     "offload": lambda m: offload_wrapper(m, min_bytes=0),
 }

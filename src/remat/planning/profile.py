@@ -36,8 +36,9 @@ from torch import nn
 from ..engine.replay import tensor_leaves
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices, recompute_peak
+from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
-from .timing import Clock, device_of
+from .timing import Clock, device_of, spread
 from .units import format_bytes
 
 __all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure"]
@@ -122,6 +123,11 @@ class SharedTensor:
     kept_by: list[int] = field(default_factory=list)
     served_to: list[int] = field(default_factory=list)
     at_peak: list[bool] = field(default_factory=list)
+
+    @property
+    def holders(self) -> set[int]:
+        """The blocks whose decisions may hold it: savers, takers, and those save_matmuls keeps it for."""
+        return set(self.saved_by) | set(self.input_of) | set(self.kept_by)
 
 
 @dataclass
@@ -255,7 +261,9 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
         for p, g in zip(params, saved_grads):
             p.grad = g
     ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
-                      **example_kwargs)
+                      reference_step=step_time, **example_kwargs)
+    # the step the op times were measured with (cached with them): a plan's "+N%" reads alike in every process
+    step_time = ops.step_time or step_time.seconds
     timeline, probe, meter, grad_bytes = traced
     n = len(blocks)
     forward_time, matmul_time, checkpoint_time, selective_time = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
@@ -283,15 +291,16 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
 
 
 def _time_steps(model: nn.Module, step: Callable[[], torch.Tensor], rounds: int, params: list[nn.Parameter]
-                ) -> float:
-    """The median device seconds of ``rounds`` training steps without checkpointing (one synchronize each)."""
+                ) -> StepTime:
+    """The device seconds of ``rounds`` training steps without checkpointing (one synchronize each): their
+    median and spread."""
     clock = Clock(device_of(params))
     times = []
     for _ in range(rounds):
         times.append(clock.time(lambda: step().backward())[1])
         for p in params:
             p.grad = None
-    return statistics.median(times)
+    return StepTime(statistics.median(times), spread(times))
 
 
 def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],

@@ -21,6 +21,10 @@ option             kept own bytes                               extra time
                    (:mod:`remat.planning.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
+``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory, two blocks'
+inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
+block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.copies`).
+
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
 ``P``; with a plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each
 *shared* storage whose life the plan changes (a mask every layer takes is held once, until the backward
@@ -43,13 +47,14 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from .baselines import rules
 from .chain import chain_options
-from .options import DEFAULT_ALLOW, BlockOption
+from .options import DEFAULT_ALLOW, BlockOption, step_extra_time
 from .plan import Plan
-from .profile import SharedTensor, StepProfile
+from .profile import StepProfile
 from .units import Budget, format_bytes, parse_budget
 
-__all__ = ["InfeasibleBudget", "plan_from_profile", "predict", "predict_peak"]
+__all__ = ["InfeasibleBudget", "cheapest", "plan_from_profile", "plan_of", "predict", "predict_peak"]
 
 
 class InfeasibleBudget(ValueError):
@@ -115,7 +120,7 @@ class _Accounting:
         self._inner: dict[tuple[int, int], tuple[int, int]] = {}
         self._peaks: dict[tuple[int, int, int], int] = {}  # option_peak by (block, id(option), mask)
         self._runs: dict[tuple[int, int, int], tuple[list[int], int, int]] = {}  # see _run_peaks
-        holders = [_holders(s) for s in prof.shared]
+        holders = [s.holders for s in prof.shared]
         self.saves = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.saved_by) for j in range(n)]
         self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
         self.matmuls = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.kept_by) for j in range(n)]
@@ -206,7 +211,7 @@ class _Accounting:
         if key not in self._inner:
             bits = nbytes = 0
             for k, s in enumerate(self.shared):
-                holders = _holders(s)
+                holders = s.holders
                 if (s.saved_by and not s.outside and min(holders) >= first and max(holders) <= last
                         and first not in s.input_of and last not in s.output_of):
                     bits |= 1 << k
@@ -265,11 +270,6 @@ class _Accounting:
         return peak
 
 
-def _holders(shared: SharedTensor) -> set[int]:
-    """The blocks whose decisions may hold a shared storage: savers, takers, and those save_matmuls keeps it for."""
-    return set(shared.saved_by) | set(shared.input_of) | set(shared.kept_by)
-
-
 def _resolve_options(prof: StepProfile, allow: Sequence[str], options: list[list[BlockOption]] | None
                      ) -> list[list[BlockOption]]:
     if options is None:
@@ -313,7 +313,7 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
     if sum(o.span for o in chosen) != len(prof.rows):
         raise ValueError(f"remat.plan: the options cover {sum(o.span for o in chosen)} blocks; the profile has "
                          f"{len(prof.rows)}.")
-    return _peak(prof, chosen), sum(o.extra_time for o in chosen)
+    return _peak(prof, chosen), step_extra_time(prof, chosen)
 
 
 def _in_flight(chosen: Sequence[BlockOption]) -> int:
@@ -321,13 +321,13 @@ def _in_flight(chosen: Sequence[BlockOption]) -> int:
     return max((o.in_flight for o in chosen), default=0)
 
 
-def _peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
-    return _chain_peak(prof, chosen) + _in_flight(chosen)
+def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
+    return _chain_peak(prof, chosen, accounting) + _in_flight(chosen)
 
 
-def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption]) -> int:
+def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
     """The peak of one option per run of blocks (``chosen`` in order, spans covering the chain)."""
-    accounting = _Accounting(prof)
+    accounting = accounting or _Accounting(prof)
     peak, freed, mask, p = 0, 0, 0, 0
     steps = iter(chosen)
     while True:
@@ -464,7 +464,7 @@ def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     accounting = _Accounting(prof)
     while low < high:
         middle = (low + high) // 2
-        if _cheapest(prof, middle, options, with_cost=False, accounting=accounting) is not None:
+        if cheapest(prof, middle, options, with_cost=False, accounting=accounting) is not None:
             high = middle
         else:
             low = middle + 1
@@ -497,12 +497,26 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    placed = _cheapest(prof, budget_bytes, options)
+    placed = _no_worse_than_rules(prof, budget_bytes, options, cheapest(prof, budget_bytes, options))
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
                               prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes,
                               writing=[row.name for row in prof.rows if row.writes_input])
+    return plan_of(prof, placed, budget_bytes)
+
+
+def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget: int) -> Plan:
+    """The :class:`Plan` that runs each option of ``placed`` (the block its run starts at, the option) and keeps
+    every block no run covers, priced by the cost model; ``budget``: the whole-step bytes it was made for.
+
+    Example:
+        >>> options = chain_options(prof)
+        >>> plan = plan_of(prof, [(0, options[0][1])], prof.peak_bytes)   # checkpoint the first block only
+    """
+    covered = {q for p, o in placed for q in range(p, p + o.span)}
+    placed = sorted([*placed, *((q, BlockOption("keep", row.own_bytes)) for q, row in enumerate(prof.rows)
+                                if q not in covered)], key=lambda item: item[0])
     chosen = [o for _, o in placed]
     decisions, blocks, segments, policies, wrappers = {}, {}, [], {}, {}
     for p, o in placed:
@@ -518,8 +532,8 @@ def plan_from_profile(
     result = Plan(
         decisions=decisions,
         predicted_peak=_peak(prof, chosen),
-        predicted_extra_time=sum(o.extra_time for o in chosen),
-        budget=budget_bytes,
+        predicted_extra_time=step_extra_time(prof, chosen),
+        budget=budget,
         baseline_peak=prof.peak_bytes,
         param_bytes=prof.param_bytes + prof.buffer_bytes,
         step_time=prof.step_time,
@@ -531,13 +545,16 @@ def plan_from_profile(
     return result
 
 
-def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
+def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], with_cost: bool = True,
               accounting: _Accounting | None = None) -> list[tuple[int, BlockOption]] | None:
-    """The cheapest options that fit ``budget``, each with the block its run starts at, or None.
+    """The cheapest options that fit ``budget`` (whole-step bytes), each with the block its run starts at, or None.
 
     The offload hooks' window is one for the whole step (the largest ``in_flight`` among the chosen options),
     which the chain's sums cannot express: for each window an option may bring, the plans whose options bring
     no larger one are solved under the budget less it, and the cheapest of those that fit is the optimum.
+
+    Example:
+        >>> placed = cheapest(prof, prof.peak_bytes // 2, chain_options(prof))
     """
     windows = sorted({o.in_flight for choices in options for o in choices} | {0})
     found = []
@@ -547,6 +564,20 @@ def _cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], 
         if indices is not None:
             found.append([(p, candidates[p][i]) for p, i in indices])
     return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
+
+
+def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
+                         placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
+    """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
+    much time and less memory: the search merges states of many shared storages on the safe side and breaks
+    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model."""
+    accounting = _Accounting(prof)
+    candidates = [] if placed is None else [placed]
+    for rule in rules(options):
+        if _peak(prof, rule.chosen, accounting) <= budget:
+            candidates.append(list(enumerate(rule.chosen)))
+    return min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
+                                                        _peak(prof, [o for _, o in c], accounting)))
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
@@ -560,6 +591,9 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
         summary["recomputed_ops"] = option.recomputed_ops
     if option.policy is not None and option.policy.offloaded_bytes:
         summary["offloaded"] = option.policy.offloaded_bytes
+        summary["copy_time"] = option.copy_time
+    elif option.moved:
+        summary["offloaded"] = option.moved
         summary["copy_time"] = option.copy_time
     return summary
 

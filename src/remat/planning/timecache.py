@@ -13,6 +13,15 @@ The file is ``$REMAT_CACHE_DIR/timings.json`` (default ``~/.cache/remat``); ``RE
 the cache off, and ``remat.profile(..., fresh_timings=True)`` (``remat plan --fresh-timings``) measures again
 and replaces what the file holds for those blocks.
 
+What is cached cannot stick when it is wrong.  A timing whose rounds varied by more than the unsteady limit
+(a busy machine) is used by the profile that measured it but never written.  Beside a model's block timings
+the file keeps the training step time measured with them; :func:`remat.profile` measures this process's step
+afresh every time, and cached timings that cannot be this machine's now (:func:`stale`: the blocks' forwards
+add up to more than a whole step, or the step cached with them is more than :data:`STALE` apart from this
+one) are measured again, with one :class:`StaleTimings` line.  A plan's "+N%" divides its extra time by the
+step time its prices came from (the cached one while they are cached), so one plan reads the same in every
+process.
+
 Example:
     >>> with timings_cache() as cache:
     ...     times = cache.get("ops", signature) or cache.put("ops", signature, measure())
@@ -22,19 +31,68 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import json
 import os
 import platform
 import tempfile
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["TimingCache", "cache_dir", "measuring_afresh", "timings_cache"]
+from .userline import user_stacklevel
 
-_VERSION = 2  # 2: a policy's cost per op from whole runs under its modes (timing.time_ops)
+__all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times", "measuring_afresh",
+           "model_key", "stale", "timings_cache"]
+
+_VERSION = 3  # 3: unsteady timings are not written; a model's step time is kept beside its blocks' timings
+
+STALE = 0.5
+"""How far apart (a share, or the rounds' spread where larger) a cached step time and this process's may be
+before the timings cached with it are measured again: a loaded machine moves times by tens of percent.
+``REMAT_STALE_SPREAD`` sets another share (``inf``: never)."""
+
+
+class StaleTimings(UserWarning):
+    """Cached timings disagree with this process's measured step time, so they are measured again."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A training step as this process measured it: the median seconds and the spread of its rounds.
+
+    Example:
+        >>> StepTime(0.021, spread=0.03)
+    """
+
+    seconds: float
+    spread: float = 0.0
+
+
+def stale(cached_forward: float, step: StepTime, entry: dict[str, float] | None) -> str:
+    """Why cached timings cannot be this machine's now, in a phrase ('' when they can be).
+
+    ``cached_forward``: the cached forward seconds of every block of the step, added up; ``step``: this
+    process's step; ``entry``: the step time cached with the timings (``{"seconds", "spread"}``) or None.
+
+    Example:
+        >>> stale(0.357 * 12, StepTime(0.2), None)
+        "their blocks' forwards add up to 4284.0 ms, more than this process's whole training step (200.0 ms)"
+    """
+    slack = max(float(os.environ.get("REMAT_STALE_SPREAD", STALE)), step.spread + (entry or {}).get("spread", 0.0))
+    if cached_forward > step.seconds * (1 + slack):
+        return (f"their blocks' forwards add up to {cached_forward * 1e3:.1f} ms, more than this process's whole "
+                f"training step ({step.seconds * 1e3:.1f} ms)")
+    if entry is not None and step.seconds > 0:
+        ratio = entry["seconds"] / step.seconds
+        if not 1 / (1 + slack) <= ratio <= 1 + slack:
+            return (f"the training step measured with them took {entry['seconds'] * 1e3:.1f} ms, this process's "
+                    f"{step.seconds * 1e3:.1f} ms")
+    return ""
 _fresh = contextvars.ContextVar("remat_fresh_timings", default=False)
 
 
@@ -141,3 +199,58 @@ def timings_cache() -> Iterator[TimingCache]:
         cache = TimingCache(directory / "timings.json", fresh)
         yield cache
         cache._write()
+
+
+def model_key(model: torch.nn.Module, tensors: list[torch.Tensor]) -> str:
+    """What a model's step time depends on besides the machine and its blocks: its class, and the shapes and
+    dtypes of its parameters and inputs (``tensors``).
+
+    Example:
+        >>> model_key(model, [*model.parameters(), tokens])
+    """
+    return "|".join([type(model).__qualname__, *(f"{tuple(t.shape)}{t.dtype}" for t in tensors)])
+
+
+def cached_times(cache: TimingCache, device: str, blocks: dict[str, str], step: StepTime | None, model: str,
+                 unsteady: float, measure: Callable[[str], dict[str, Any]]
+                 ) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """Per signature of ``blocks`` (block name -> signature) its times, cached or ``measure(signature)``d, and
+    the step time they go with (None without a ``step``).
+
+    A measurement (a dict with the forward's seconds, ``forward``, and its rounds' ``spread``) is written only
+    when its spread is at most ``unsteady``.  Given this process's ``step``, cached times that :func:`stale`
+    finds are not this machine's now are measured again, with one :class:`StaleTimings` line; the step time
+    returned is the one cached with the times while they all come from the cache, else ``step``'s (written
+    beside them when it and they are steady).  ``model``: :func:`model_key`.
+
+    Example:
+        >>> times, step_time = cached_times(cache, "cpu", {"blocks.0": "3f2a"}, StepTime(0.02), key, 0.1, measure)
+    """
+    signatures = dict.fromkeys(blocks.values())
+    times = {signature: cache.get("ops", signature, device) for signature in signatures}
+    key = hashlib.sha1("|".join([model, *(f"{name}={sig}" for name, sig in blocks.items())]).encode()).hexdigest()[:16]
+    entry, step_time = cache.get("step", key, device) if step else None, None
+    if step and any(times.values()):
+        cached = [name for name, signature in blocks.items() if times[signature]]
+        reason = stale(sum(times[blocks[name]]["forward"] for name in cached), step, entry)
+        if reason:
+            more = f" and {len(cached) - 1} more blocks" if len(cached) > 1 else ""
+            warnings.warn(StaleTimings(f"remat.profile: the cached timings of {cached[0]}{more} are not this "
+                                       f"machine's now ({reason}); measuring them again."),
+                          stacklevel=user_stacklevel())
+            times = dict.fromkeys(times)
+        elif entry and all(times.values()):
+            step_time = entry["seconds"]
+    steady = True
+    for signature in signatures:
+        if times[signature] is None:
+            times[signature] = measure(signature)
+            if times[signature]["spread"] <= unsteady:  # an unsteady round's times serve this profile only
+                cache.put("ops", signature, device, times[signature])
+            else:
+                steady = False
+    if step and step_time is None:
+        step_time = step.seconds
+        if steady and step.spread <= unsteady:
+            cache.put("step", key, device, {"seconds": step.seconds, "spread": step.spread})
+    return times, step_time

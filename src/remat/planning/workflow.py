@@ -10,15 +10,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..api.modules import ActivationWrapper
 from ..api.sequential import checkpointed_runs
+from .alternatives import plan_for, plans_near
 from .discovery import chain_links, resolve_blocks
 from .inputs import describe_inputs
 from .kvcache import cache_off
@@ -26,12 +26,16 @@ from .metadata import MetaData, MetaKernels, NeedsRealData
 from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure
+from .rulefront import Front, front
 from .solver import plan_from_profile
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 from .untouched import left_as_found
+from .userline import user_stacklevel
 
-__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile"]
+__all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile", "refuse_checkpointed"]
+
+_WRAPPED = "_checkpoint_wrapped_module"  # where remat's and torch's checkpoint wrappers hold the module they wrap
 
 
 class SummedLossWarning(UserWarning):
@@ -69,8 +73,43 @@ class Profile(StepProfile):
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
         made = plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
+        return self._for_this_model(made)
+
+    def alternatives(self, budget: Budget | int | float | str, count: int = 5,
+                     allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
+        """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first, the first being
+        :meth:`plan`'s: the runners-up a run on a machine whose timings moved might pick, to check them all
+        (:func:`~remat.planning.alternatives.plans_near`).
+
+        Example:
+            >>> for p in prof.alternatives("50%", count=3):
+            ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
+        """
+        return [self._for_this_model(p) for p in plans_near(self, budget, count, allow)]
+
+    def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
+        """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
+        ``segments`` as one region, with its predicted peak and extra time
+        (:func:`~remat.planning.alternatives.plan_for`).
+
+        Example:
+            >>> every_other = prof.price({"blocks.0": "checkpoint", "blocks.2": "checkpoint"})
+            >>> every_other.predicted_peak, every_other.predicted_extra_time
+        """
+        return self._for_this_model(plan_for(self, decisions, segments))
+
+    def _for_this_model(self, made: Plan) -> Plan:
         made.meta = {**self.model_meta, **made.meta}
         return made
+
+    def front(self, budgets: Sequence[Budget | int | float | str] = (), allow: Sequence[str] | None = None) -> Front:
+        """remat's plans beside the rules people checkpoint by (every-k spread for each n, every block,
+        offloaded inputs), each as predicted peak and extra time (:mod:`remat.planning.rulefront`).
+
+        Example:
+            >>> print(prof.front(budgets=("50%", "30%")))
+        """
+        return front(self, budgets) if allow is None else front(self, budgets, allow)
 
 
 def profile(
@@ -99,7 +138,8 @@ def profile(
     is left as it was).
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
-    (``with torch.device("meta"): model = ...``); bytes are exact, times are FLOPs
+    (``with torch.device("meta"): model = ...``); bytes are those the same step keeps on the CPU (attention runs
+    the kernel the CPU picks), times are FLOPs
     (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
     checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
     (:class:`~remat.planning.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
@@ -111,6 +151,7 @@ def profile(
         >>> print(prof); plan = prof.plan(0.5)
     """
     check_inputs(model, example_inputs, example_kwargs, "remat.profile")
+    refuse_checkpointed(model, "remat.profile")
     if device not in (None, "meta"):
         raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     if repeats < 1:
@@ -174,6 +215,40 @@ def check_inputs(model: Any, args: tuple, kwargs: dict[str, Any], who: str = "re
                         f"by name ({who}(model, x, mask=mask)).")
 
 
+def refuse_checkpointed(model: nn.Module, who: str = "remat.profile") -> None:
+    """Raise ValueError, in one line naming ``who``, if ``model``'s blocks already checkpoint: a profile would
+    see the step with checkpointing, in which no option frees memory.  Names what checkpoints and how to turn
+    it off: remat's or torch's checkpoint wrappers, a plan's segments, transformers' gradient checkpointing
+    (``gradient_checkpointing_enable``, ``remat.enable``, ``Trainer``).
+
+    Example:
+        >>> refuse_checkpointed(model, "remat.plan")
+    """
+    wrapped = [name for name, m in model.named_modules() if _WRAPPED in m._modules or checkpointed_runs(m)]
+    flagged = [name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    flagged = [name for name in flagged if not any(other.startswith(f"{name}.") for other in flagged)]  # the layers
+    name = type(model).__name__
+    if wrapped:
+        torch_s = any(type(m).__module__.startswith("torch.") for m in model.modules() if _WRAPPED in m._modules)
+        whose = "torch's checkpoint_wrapper" if torch_s else "remat's checkpoint/offload wrappers or a plan"
+        raise ValueError(
+            f"{who}: {_some(wrapped)} of {name} already checkpoint ({whose}), so a profile would see a step in which "
+            "no option frees more; profile the model without them (plan.remove(model) for a plan's; build it without "
+            "checkpoint_wrapper / apply_activation_checkpointing otherwise): the plan does the checkpointing.")
+    if flagged:
+        switch = ("activation_checkpointing_disable" if hasattr(type(model), "activation_checkpointing_disable")
+                  else "gradient_checkpointing_disable")
+        raise ValueError(
+            f"{who}: {name} has transformers' gradient checkpointing on ({_some(flagged)}; turned on by "
+            "activation_/gradient_checkpointing_enable, remat.enable or Trainer), so a profile "
+            f"would see a step in which no option frees more; call model.{switch}() first, then plan and apply the "
+            "plan instead: it does the checkpointing.")
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def forward_mismatch(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
     """Why ``model(*args, **kwargs)`` does not fit ``model.forward``'s signature, in a phrase naming the forward
     and the argument ('' if it fits or the signature cannot be read).
@@ -234,7 +309,7 @@ def _summed_loss_warned(model: nn.Module) -> Callable[[Any], torch.Tensor]:
                 text = (f"remat.profile: {name}'s output has no .loss and no loss_fn was given, so the profile "
                         "backpropagates the sum of its outputs; pass loss_fn= (e.g. lambda out: "
                         "F.cross_entropy(out, targets)) to profile your training loss.")
-            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=2)
+            warnings.warn(SummedLossWarning(text, labels_missing), stacklevel=user_stacklevel())
         return default_loss(output)
 
     return loss
@@ -273,9 +348,7 @@ def plan(
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
-    if any(isinstance(m, ActivationWrapper) or checkpointed_runs(m) for m in model.modules()):
-        raise ValueError("remat.plan: the model already has checkpoint/offload wrappers; remove them first "
-                         "(plan.remove(model)) so the profile sees the step without checkpointing.")
+    refuse_checkpointed(model, "remat.plan")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
                    **example_kwargs)
     return prof.plan(budget, allow)

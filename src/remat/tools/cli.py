@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload")
-_ALLOW = ("checkpoint", "save_matmuls", "selective")
+_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload")
+_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload")
 """``remat.planning.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
 no torch (test_cli checks that they agree)."""
 
@@ -54,6 +54,14 @@ def _console():
     return console if console.is_terminal else Console(width=130)  # piped: do not fold tables to 80 columns
 
 
+def _progress(console):
+    """A progress bar that leaves nothing behind; none where the output is not a terminal (a piped bar would
+    leave a blank line, before an error too)."""
+    from rich.progress import Progress
+
+    return Progress(console=console, transient=True, disable=not console.is_terminal)
+
+
 def _budget(text: str) -> Budget:
     """A fraction (0.5 or 50%) or a size (8GiB), read as Python reads it (:func:`parse_budget`)."""
     try:
@@ -65,7 +73,6 @@ def _budget(text: str) -> Budget:
 # ---- demo -------------------------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
     import torch
-    from rich.progress import Progress
     from rich.table import Table
 
     from ..models import GPTConfig
@@ -86,7 +93,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"sequence {cfg.seq_len}, batch {args.batch_size}, dropout {cfg.dropout}; {args.steps} training steps "
         f"per mode ({args.optimizer}) on {torch.get_num_threads()} CPU thread(s); plan budget {args.budget}."
     )
-    with Progress(console=console, transient=True) as progress:
+    with _progress(console) as progress:
         task = progress.add_task("profiling and training", total=args.steps * 4)
         results, prof, plan = run_demo(cfg, args.batch_size, args.steps, args.seed, args.budget,
                                        on_step=lambda: progress.advance(task), optimizer=args.optimizer)
@@ -121,6 +128,10 @@ def _demo(args: argparse.Namespace) -> int:
 # ---- user models ------------------------------------------------------------------------------------
 def _load(spec: str, what: str) -> Callable[..., Any]:
     module_name, sep, attr = spec.partition(":")
+    if not sep and "." in spec.strip("."):
+        module_part, _, name = spec.rpartition(".")
+        raise UserError(f"{what} must look like package.module:function, got {spec!r}; did you mean "
+                        f"{module_part}:{name}?")
     if not sep or not module_name or not attr:
         raise UserError(f"{what} must look like package.module:function, got {spec!r}")
     sys.path.insert(0, ".")  # let people name a module in the working directory
@@ -320,43 +331,37 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         if args.output:
             plan.save(args.output)
             print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
+    if args.front:
+        print(f"\nremat's plans beside every-k and offloaded inputs:\n{prof.front(allow=tuple(args.allow))}")
     if not made:
         raise UserError("no budget could be met; the messages above give the smallest peak any plan reaches")
     return 0
 
 
-def _read_plan(path: str) -> dict[str, Any]:
-    """The plan file's data, read without torch: a wrong path or a file that is not a plan answers at once."""
-    fix = f"write one with remat plan MODULE:FACTORY --budget 50% -o {path}"
+def _load_plan(path: str):
+    """The plan file ``path``, loaded; a missing file, or one that is not a plan, is told alike in every command."""
+    from ..planning.plan import Plan, PlanFileError
+
     try:
-        with open(path) as f:
-            data = json.load(f)
+        return Plan.load(path)
+    except PlanFileError as error:
+        raise UserError(_unprefixed(str(error))) from error
     except OSError as error:
-        raise UserError(f"cannot read the plan {path!r} ({error.strerror or error}); {fix}") from error
-    except ValueError as error:
-        raise UserError(f"the plan {path!r} is not JSON ({error}); {fix}") from error
-    if not isinstance(data, dict) or "decisions" not in data:
-        raise UserError(f"{path!r} is not a plan (no decisions in it); {fix}")
-    return data
+        raise UserError(f"cannot read the plan {path} ({error.strerror or error}); make one with "
+                        f"`remat plan ... -o {path}`") from error
 
 
 def _check_cmd(args: argparse.Namespace) -> int:
-    data = _read_plan(args.plan)
-    from rich.progress import Progress
+    plan = _load_plan(args.plan)
     from rich.table import Table
 
     from ..planning.check import check_plan, grads_cell
-    from ..planning.plan import Plan
     from ..planning.units import format_bytes
 
-    try:
-        plan = Plan(**data)
-    except TypeError as error:
-        raise UserError(f"{args.plan!r} is not a plan written by remat plan -o ({error})") from error
     model, inputs, kwargs = _model_and_inputs(args)
     _check_forward(model, inputs, kwargs, args)
     console = _console()
-    with _running_the_model(args), Progress(console=console, transient=True) as progress:
+    with _running_the_model(args), _progress(console) as progress:
         task = progress.add_task(f"{args.steps} steps with and without the plan", total=args.steps)
         result = check_plan(model, plan, *inputs, steps=args.steps, optimizer=args.optimizer,
                             on_step=lambda row: progress.advance(task), **kwargs)
@@ -392,14 +397,7 @@ def _steps(text: str) -> int:
 
 
 def _show_cmd(args: argparse.Namespace) -> int:
-    from ..planning.plan import Plan, PlanFileError
-
-    try:
-        plan = Plan.load(args.plan)
-    except PlanFileError as error:
-        raise UserError(_unprefixed(str(error))) from error
-    except OSError as error:
-        raise UserError(f"cannot read {args.plan} ({error.strerror or error})") from error
+    plan = _load_plan(args.plan)
     meta = plan.meta
     if meta.get("model"):
         shapes = ", ".join(f"{name} {shape}" for name, shape in meta.get("inputs", {}).items())
@@ -529,8 +527,10 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
                            "several budgets are planned from one profile")
     plan.add_argument("--allow", nargs="+", default=list(_ALLOW), choices=list(_ALLOWED),
                       help="options the plan may use (selective: keep chosen op outputs of a block, recompute "
-                           "the rest; offload, on an accelerator only: move a block's activations, or chosen op "
-                           "outputs, to host memory; default: all but offload)")
+                           "the rest; on an accelerator only: offload, move a block's activations, or chosen op "
+                           "outputs, to host memory; checkpoint_offload, checkpoint with the block's inputs in host "
+                           "memory; default: all but offload)")
+    plan.add_argument("--front", action="store_true", help="also print remat's plans beside the rules' points")
     plan.add_argument("-o", "--output", type=writable_file, help="write the plan as JSON")
     plan.set_defaults(run=_plan_cmd)
 

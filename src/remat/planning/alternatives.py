@@ -1,0 +1,123 @@
+"""Plans made on purpose: the runners-up near a budget, and the price of an assignment you choose.
+
+The solver returns one plan, the cheapest its prices find; on a machine whose timings move, a close runner-up
+may be the one another run picks.  :func:`plans_near` lists the cheapest distinct plans that fit a budget, so a
+user (or a test) can check more than the one plan the timings happened to pick: the solver's own, then for
+each block it did not keep, the cheapest plan that fits without that block's option there (one exclusion at a
+time, then of the runners-up found, until ``count`` are found).  :func:`plan_for` prices and returns the plan of
+an assignment given by name (``{"blocks.0": "checkpoint", ...}``, runs of blocks as ``segments``).
+
+Example:
+    >>> prof = remat.profile(model, x, loss_fn=loss_fn)
+    >>> for plan in prof.alternatives("50%", count=3):
+    ...     print(plan.predicted_extra_time, remat.check_plan(model, plan, x, loss_fn=loss_fn).holds)
+    >>> every_other = prof.price({"blocks.0": "checkpoint", "blocks.2": "checkpoint"})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .chain import chain_options
+from .options import DEFAULT_ALLOW, BlockOption
+from .plan import Plan
+from .profile import StepProfile
+from .solver import cheapest, plan_from_profile, plan_of
+from .units import Budget
+
+__all__ = ["plan_for", "plans_near"]
+
+_Placed = list[tuple[int, BlockOption]]
+
+
+def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int = 5,
+               allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
+    """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first; the first is
+    ``prof.plan(budget)``.  Raises :class:`~remat.planning.solver.InfeasibleBudget` where none fits.
+
+    Example:
+        >>> [p.predicted_extra_time for p in plans_near(prof, "50%", count=3)]   # ascending
+    """
+    if count < 1:
+        raise ValueError(f"remat.plans_near: count must be at least 1, got {count}.")
+    first = plan_from_profile(prof, budget, allow)  # raises where nothing fits, with the solver's reasons
+    options = chain_options(prof, allow)
+    best = cheapest(prof, first.budget, options)
+    assert best is not None  # plan_from_profile found it
+    found: dict[tuple, _Placed] = {_key(best): best}
+    frontier = [best]
+    while frontier and len(found) < count:
+        runners_up = []
+        for placed in frontier:
+            for p, option in placed:
+                if option.name == "keep":
+                    continue
+                without = [list(choices) for choices in options]
+                without[p] = [o for o in without[p] if o is not option]
+                other = cheapest(prof, first.budget, without)
+                if other is not None and _key(other) not in found:
+                    found[_key(other)] = other
+                    runners_up.append(other)
+        frontier = sorted(runners_up, key=_extra_time)
+    others = [plan_of(prof, placed, first.budget) for placed in found.values()]
+    seen = {_shape(first)}
+    ranked = [first]
+    for plan in sorted(others, key=lambda p: (p.predicted_extra_time, p.predicted_peak)):
+        if _shape(plan) not in seen:  # the solver's first may be a rule that equals one found here
+            seen.add(_shape(plan))
+            ranked.append(plan)
+    return ranked[:count]
+
+
+def plan_for(prof: StepProfile, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = (),
+             allow: Sequence[str] = ("checkpoint", "save_matmuls", "selective", "offload")) -> Plan:
+    """The plan that takes ``decisions`` (block name to option name; blocks not named are kept) and checkpoints
+    each run of ``segments`` as one region, priced by the cost model.  A name several options share
+    (``selective``) means its first, the cheapest of the block's front points.
+
+    Example:
+        >>> plan = plan_for(prof, {"blocks.0": "checkpoint", "blocks.2": "save_matmuls"})
+        >>> plan.predicted_peak, plan.predicted_extra_time
+    """
+    index = {row.name: i for i, row in enumerate(prof.rows)}
+    unknown = [name for name in [*decisions, *(n for run in segments for n in run)] if name not in index]
+    if unknown:
+        raise ValueError(f"remat.plan_for: the profile has no block {unknown[0]!r}; its blocks are "
+                         f"{', '.join(list(index)[:4])}{' ...' if len(index) > 4 else ''}.")
+    options = chain_options(prof, allow)
+    placed: _Placed = []
+    for run in segments:
+        first, span = index[run[0]], len(run)
+        if [index[name] for name in run] != list(range(first, first + span)):
+            raise ValueError(f"remat.plan_for: segment {list(run)} is not a run of consecutive blocks in profile "
+                             "order.")
+        match = next((o for o in options[first] if o.name == "segment" and o.span == span), None)
+        if match is None:
+            raise ValueError(f"remat.plan_for: {run[0]}..{run[-1]} cannot run as one region (not consecutive "
+                             "children of one nn.Sequential, or the first writes in place to its input).")
+        placed.append((first, match))
+    in_segments = {name for run in segments for name in run}
+    for name, wanted in decisions.items():
+        if name in in_segments:
+            raise ValueError(f"remat.plan_for: {name} is both in a segment and given {wanted!r}; give it one.")
+        match = next((o for o in options[index[name]] if o.name == wanted and o.span == 1), None)
+        if match is None:
+            offered = sorted({o.name for o in options[index[name]] if o.span == 1})
+            raise ValueError(f"remat.plan_for: {name} has no option {wanted!r} here; it has {', '.join(offered)}.")
+        placed.append((index[name], match))
+    plan = plan_of(prof, placed, prof.peak_bytes)
+    plan.budget = plan.predicted_peak  # made for no budget: it promises its own peak
+    return plan
+
+
+def _key(placed: _Placed) -> tuple:
+    return tuple((p, o.name, o.span, o.kept, o.extra_time) for p, o in placed)
+
+
+def _extra_time(placed: _Placed) -> float:
+    return sum(o.extra_time for _, o in placed)
+
+
+def _shape(plan: Plan) -> str:
+    return repr((sorted(plan.decisions.items()), plan.segments, sorted(plan.policies.items(), key=lambda kv: kv[0])))
+

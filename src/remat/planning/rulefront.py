@@ -1,0 +1,104 @@
+"""remat's front of plans beside the rules' points, on the solver's cost model: ``remat.profile(...).front()``.
+
+Every rule of :mod:`remat.planning.baselines` (every-k spread for each ``n``, offloaded inputs) is one point:
+its predicted peak and extra time.  remat's front is the plan for each of those peaks as the budget, and for
+each budget asked besides, with the points another plan beats on both removed.  No plan is worse than a rule
+on both axes (:func:`~remat.planning.solver.plan_from_profile` takes a rule where it would be).
+
+Example:
+    >>> print(remat.profile(model, tokens).front())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .baselines import rules
+from .chain import chain_options
+from .options import DEFAULT_ALLOW
+from .profile import StepProfile
+from .solver import InfeasibleBudget, plan_from_profile, predict
+from .units import format_bytes
+
+__all__ = ["Front", "TradePoint", "front"]
+
+
+@dataclass(frozen=True)
+class TradePoint:
+    """One point: who it is (``remat`` or a rule's name), the whole-step peak in bytes and the extra seconds.
+
+    Example:
+        >>> TradePoint("every-k 12 of 12", 3_683_697_664, 0.0257).label
+        'every-k 12 of 12'
+    """
+
+    label: str
+    peak: int
+    extra_time: float
+    decisions: tuple[str, ...] = ()
+
+
+@dataclass
+class Front:
+    """remat's plans and the rules' points of one profile, each sorted by peak.
+
+    Example:
+        >>> f = prof.front(); f.plans[0].peak <= min(r.peak for r in f.rules)
+        True
+    """
+
+    plans: list[TradePoint]
+    rules: list[TradePoint]
+    baseline_peak: int
+    fixed_bytes: int
+    step_time: float
+
+    def dominated(self) -> list[tuple[TradePoint, TradePoint]]:
+        """(plan, rule) pairs where the rule is at most the plan on both axes and below it on one: none.
+
+        Example:
+            >>> prof.front().dominated()
+            []
+        """
+        return [(p, r) for p in self.plans for r in self.rules if r.peak <= p.peak and r.extra_time <= p.extra_time
+                and (r.peak, r.extra_time) != (p.peak, p.extra_time)]
+
+    def __str__(self) -> str:
+        above = self.baseline_peak - self.fixed_bytes
+        header = f"{'':<7} {'':<20} {'peak above params':>18} {'of plain':>9} {'extra':>10} {'step':>7}"
+        lines = [header, "-" * len(header)]
+        for kind, points in (("remat", self.plans), ("rule", self.rules)):
+            for point in points:
+                share = (point.peak - self.fixed_bytes) / above if above > 0 else 0.0
+                step = f"x{1 + point.extra_time / self.step_time:.3f}" if self.step_time > 0 else ""
+                name = "plan" if kind == "remat" else point.label
+                lines.append(f"{kind:<7} {name:<20} {format_bytes(point.peak - self.fixed_bytes):>18} "
+                             f"{share:>9.3f} {point.extra_time * 1e3:>8.2f}ms {step:>7}")
+        return "\n".join(lines)
+
+
+def front(prof: StepProfile, budgets: Sequence[object] = (), allow: Sequence[str] = DEFAULT_ALLOW) -> Front:
+    """remat's plans at each rule's peak (and at ``budgets``) beside the rules' points, on one cost model.
+
+    Example:
+        >>> print(front(prof, budgets=("50%", "30%")))
+    """
+    options = chain_options(prof, allow)
+    points = []
+    for rule in rules(options):
+        peak, extra = predict(prof, rule.chosen)
+        points.append(TradePoint(rule.name, peak, extra, tuple(o.name for o in rule.chosen)))
+    plans = {}
+    for budget in [*budgets, *sorted({p.peak for p in points})]:
+        try:
+            plan = plan_from_profile(prof, budget, options=options)
+        except InfeasibleBudget:  # a budget asked below what any plan reaches
+            continue
+        point = TradePoint("remat", plan.predicted_peak, plan.predicted_extra_time, tuple(plan.decisions.values()))
+        plans[(point.peak, point.extra_time)] = point
+    kept = [p for p in plans.values()
+            if not any(q.peak <= p.peak and q.extra_time < p.extra_time
+                       or q.peak < p.peak and q.extra_time <= p.extra_time for q in plans.values())]
+    return Front(sorted(kept, key=lambda p: p.peak), sorted(points, key=lambda p: p.peak), prof.peak_bytes,
+                 prof.param_bytes + prof.buffer_bytes, prof.step_time)
