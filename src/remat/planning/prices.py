@@ -149,9 +149,10 @@ def _tied(gain: dict[int, float], nbytes: dict[int, int]) -> dict[int, float]:
 
 
 def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
-    """Most bytes a recomputation of ``graph``'s block holds at once when the ``served`` nodes' outputs are handed
-    to it instead of rerun: saved tensors stay with the refill until backward unpacks them, the others die as in
-    forward.
+    """Most bytes a recomputation of ``graph``'s block holds at once above what it starts with, when the
+    ``served`` nodes' outputs are handed to it instead of rerun: saved tensors stay with the refill until
+    backward unpacks them, the others die as in forward, the served ones too (they are there from its start,
+    kept since the forward, and are gone once their last reader has run).
 
     Example:
         >>> recompute_peak(graph) >= recompute_peak(graph, {graph.keepable[0]})
@@ -159,12 +160,16 @@ def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
     """
     stop = graph.stop
     delta = [0] * (stop + 1)
+    given = 0
     for s in graph.storages:
-        if s.producer < stop and s.producer not in served:
-            delta[s.producer] += s.nbytes
-            delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
+        if s.producer >= stop:
+            continue
+        start = 0 if s.producer in served else s.producer
+        given += s.nbytes if s.producer in served else 0
+        delta[start] += s.nbytes
+        delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
     running = peak = 0
     for change in delta[:stop]:
         running += change
         peak = max(peak, running)
-    return peak
+    return max(0, peak - given)
