@@ -24,6 +24,7 @@ from torch import nn
 
 import remat
 from remat.planning.baselines import spread
+from remat.planning.head import head_chunk_count
 from remat.planning.options import DEFAULT_ALLOW
 
 PLAN_FRACTIONS = (0.7, 0.5, 0.3)
@@ -190,6 +191,17 @@ def _layers_through(model: nn.Module, fn: Callable[..., Any] | list[Callable[...
 
 
 @contextlib.contextmanager
+def _ckpt_and_chunked_head(model: nn.Module, chunks: int) -> Iterator[None]:
+    """Every layer through remat.checkpoint and the output layer and loss over ``chunks`` token chunks."""
+    with _layers_through(model, functools.partial(remat.checkpoint, use_reentrant=False)):
+        remat.chunk_lm_head(model, chunks)
+        try:
+            yield
+        finally:
+            remat.unchunk_lm_head(model)
+
+
+@contextlib.contextmanager
 def _planned(model: nn.Module, plan: remat.Plan) -> Iterator[None]:
     plan.apply(model)
     try:
@@ -217,6 +229,8 @@ def eager_modes(work: Workload, plans: dict[str, remat.Plan | str]) -> list[Mode
     model, device_type = work.model, work.device.type
     count = len(layers_of(model))
     checkpoint = functools.partial(remat.checkpoint, use_reentrant=False)
+    # the chunk count the planner's option takes: a chunk's logits about the size of the head's weight gradient
+    chunks = head_chunk_count(work.inputs["input_ids"].numel(), model.get_output_embeddings().in_features)
 
     def through(key: str, label: str, fn: Callable[..., Any] | list[Callable[..., Any] | None]) -> Mode:
         return Mode(key, label, work.step, lambda: _layers_through(model, fn))
@@ -235,6 +249,8 @@ def eager_modes(work: Workload, plans: dict[str, remat.Plan | str]) -> list[Mode
                 functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)),
         through("remat-ckpt", "remat checkpoint, every layer",
                 functools.partial(remat.checkpoint, use_reentrant=False)),
+        Mode("remat-ckpt-chunked-head", f"remat checkpoint, every layer + head in {chunks} chunks", work.step,
+             lambda: _ckpt_and_chunked_head(model, chunks)),
         through("torch-sac", "torch SAC, torchtitan's save list (mm, SDPA)", _torch_sac(_save_listed)),
         through("remat-save-matmuls", "remat save_matmuls", functools.partial(
             remat.checkpoint, use_reentrant=False, policy=remat.policies.save_matmuls)),
@@ -321,9 +337,10 @@ def _decision_counts(plan: remat.Plan) -> str:
     return ", ".join(f"{n} {decision}" for decision, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "torch-sac", "remat-save-matmuls", "torch-save-all",
-              "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu", "remat-save-on-cpu",
-              "remat-offload", *(f"spread-{share}" for share in SPREAD_SHARES), "remat-ckpt-offload", *PLANS]
+EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "remat-ckpt-chunked-head", "torch-sac", "remat-save-matmuls",
+              "torch-save-all", "remat-save-all", "torch-elementwise", "remat-elementwise", "torch-save-on-cpu",
+              "remat-save-on-cpu", "remat-offload", *(f"spread-{share}" for share in SPREAD_SHARES),
+              "remat-ckpt-offload", *PLANS]
 COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",
                  *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS)]
 

@@ -54,6 +54,18 @@ def test_cpu_run_prints_every_row_and_the_plan_predictions(gpu_benchmark, tmp_pa
     assert rows["plan-50"]["predicted_extra"] is not None
 
 
+def test_cpu_run_of_the_chunked_head_row(gpu_benchmark, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    modes = ["--modes", "remat-ckpt", "remat-ckpt-chunked-head"]
+    assert gpu_benchmark.main([*SMALLEST, "--vocab", "2000", *modes, "--json", str(out)]) == 0  # logits to matter
+    assert "| remat checkpoint, every layer + head in " in capsys.readouterr().out
+    rows = {row["key"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["plain", "remat-ckpt", "remat-ckpt-chunked-head"]
+    assert all(row["failure"] is None for row in rows.values())
+    # the logits (and their float32 copy and gradient) are never whole: below every layer checkpointed alone
+    assert rows["remat-ckpt-chunked-head"]["peak"] < rows["remat-ckpt"]["peak"]
+
+
 def test_without_cuda_it_skips_and_exits_0(gpu_benchmark, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_benchmark.main([]) == 0

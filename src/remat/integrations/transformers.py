@@ -23,6 +23,10 @@ them is found by feature tests, not version numbers:
   of them before 4.52) checkpoint every layer or none, so ``every_n_layers > 1``
   raises there.
 
+``chunked_loss=n`` also computes the training loss over ``n`` token chunks
+(:func:`remat.chunk_lm_head`): the whole logits are never made, and the output's
+``logits`` is ``None`` in training with labels.
+
 The same by hand, with transformers' own switch (undone by the next call to it)::
 
     model.gradient_checkpointing_enable()          # or activation_checkpointing_enable()
@@ -38,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api.checkpoint import checkpoint
+from ..api.chunkedhead import chunk_lm_head
 from ..policies.offload import save_on_cpu
 
 __all__ = ["enable"]
@@ -45,7 +50,8 @@ __all__ = ["enable"]
 _SETTINGS = "_remat_checkpointing"
 
 
-def enable(model: Any, policy: Any = None, every_n_layers: int = 1, **checkpoint_kwargs: Any) -> Any:
+def enable(model: Any, policy: Any = None, every_n_layers: int = 1, chunked_loss: int | None = None,
+           **checkpoint_kwargs: Any) -> Any:
     """Checkpoint a transformers ``PreTrainedModel``'s layers with remat; returns the model.
 
     ``policy`` (a :mod:`remat.policies` policy) makes each layer selective;
@@ -54,15 +60,19 @@ def enable(model: Any, policy: Any = None, every_n_layers: int = 1, **checkpoint
     ``model.train()``: transformers only checkpoints in training mode.  Later calls
     of the model's own switch (``activation_checkpointing_enable``, or
     ``gradient_checkpointing_enable`` before transformers 5.23, as ``Trainer``
-    makes) keep using remat.
+    makes) keep using remat.  ``chunked_loss=n`` (a causal LM) computes the training loss over ``n``
+    token chunks, each chunk's logits recomputed in backward (:func:`remat.chunk_lm_head`).
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> model = enable(LlamaForCausalLM(LlamaConfig(num_hidden_layers=2)), policy=remat.policies.save_matmuls)
+        >>> model = enable(LlamaForCausalLM(LlamaConfig(num_hidden_layers=2)), chunked_loss=8)
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing in transformers.")
     _check_every_n_layers(model, every_n_layers)
+    if chunked_loss is not None:
+        chunk_lm_head(model, chunked_loss)
     setattr(model, _SETTINGS, {"policy": policy, "kwargs": checkpoint_kwargs})
     if hasattr(type(model), "activation_checkpointing_enable"):  # transformers >= 5.23
         model.activation_checkpointing_enable = types.MethodType(_activation_checkpointing_enable, model)

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from ..api.chunkedhead import chunk_lm_head, lm_head_chunks, unchunk_lm_head
 from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
 from ..api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
 from ..policies.rules import save_matmuls
@@ -56,7 +57,9 @@ class Plan:
     :class:`~remat.planning.blockpolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
     ``meta`` records the model it was made for (:func:`describe_model`), checked by :meth:`apply`.
     ``segments`` lists the runs of blocks checkpointed as one region each (their blocks' decision is
-    ``"segment"``; ``blocks`` holds a run's summary under its first block).
+    ``"segment"``; ``blocks`` holds a run's summary under its first block).  ``head_chunks`` > 0: the output
+    layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
+    LM; :mod:`remat.planning.head`).
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -75,6 +78,7 @@ class Plan:
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
     blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
     segments: list[list[str]] = field(default_factory=list)
+    head_chunks: int = 0
 
     def __post_init__(self) -> None:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
@@ -111,6 +115,10 @@ class Plan:
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
         if self.meta.get("inputs"):
             watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
+        if self.head_chunks:
+            chunk_lm_head(model, self.head_chunks)
+        elif lm_head_chunks(model) is not None:
+            unchunk_lm_head(model)
         in_segments = {name for run in self.segments for name in run}
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)
@@ -178,6 +186,8 @@ class Plan:
                 setattr(parent, child, current._checkpoint_wrapped_module)
         for container in self._containers(model).values():
             remove_runs(container)
+        if self.head_chunks:
+            unchunk_lm_head(model)
         restore_cache(model)
         unwatch(model)
         return model
@@ -244,6 +254,8 @@ class Plan:
                             for option, count in counts.items() if count)
         if self.segments:
             summary += f" ({sum(len(run) for run in self.segments)} blocks in segments)"
+        if self.head_chunks:
+            summary += f"; output layer and loss in {self.head_chunks} chunks"
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(
@@ -258,7 +270,7 @@ class Plan:
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "decisions": dict, "predicted_peak": int, "predicted_extra_time": (int, float), "budget": int,
     "baseline_peak": int, "param_bytes": int, "step_time": (int, float), "meta": dict, "policies": dict,
-    "blocks": dict, "segments": list,
+    "blocks": dict, "segments": list, "head_chunks": int,
 }
 
 

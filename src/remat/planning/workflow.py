@@ -11,15 +11,16 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..api.sequential import checkpointed_runs
-from .alternatives import plan_for, plans_near
+from .alternatives import plan_for
 from .discovery import chain_links, resolve_blocks
+from .head import HeadOption, alternatives_with_head, measure_head, plan_with_head
 from .inputs import describe_inputs
 from .kvcache import cache_off
 from .metadata import MetaData, MetaKernels, NeedsRealData
@@ -27,7 +28,6 @@ from .options import DEFAULT_ALLOW
 from .plan import Plan, describe_model
 from .profile import StepProfile, default_loss, measure
 from .rulefront import Front, front
-from .solver import plan_from_profile
 from .timecache import measuring_afresh
 from .units import Budget, parse_budget
 from .untouched import left_as_found
@@ -61,6 +61,14 @@ class Profile(StepProfile):
     """
 
     model_meta: dict[str, Any] = field(default_factory=dict)
+    head: HeadOption | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON; the chunked head's option as its chunk count, peak and extra time."""
+        out = StepProfile.to_dict(replace(self, head=None))
+        out["head"] = None if self.head is None else {
+            "chunks": self.head.chunks, "peak_bytes": self.head.profile.peak_bytes, "extra_time": self.head.extra_time}
+        return out
 
     def plan(self, budget: Budget | int | float | str, allow: Sequence[str] | None = None) -> Plan:
         """The cheapest plan for ``budget`` from this profile: no new measurement, milliseconds.
@@ -72,20 +80,20 @@ class Profile(StepProfile):
             >>> prof = remat.profile(model, input_ids=ids, labels=ids)
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
-        made = plan_from_profile(self, budget) if allow is None else plan_from_profile(self, budget, allow)
-        return self._for_this_model(made)
+        return self._for_this_model(plan_with_head(self, self.head, budget, allow))
 
     def alternatives(self, budget: Budget | int | float | str, count: int = 5,
                      allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
         """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first, the first being
         :meth:`plan`'s: the runners-up a run on a machine whose timings moved might pick, to check them all
-        (:func:`~remat.planning.alternatives.plans_near`).
+        (:func:`~remat.planning.alternatives.plans_near`, with the chunked head's timeline too where the profile
+        has one: :mod:`remat.planning.head`).
 
         Example:
             >>> for p in prof.alternatives("50%", count=3):
             ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
         """
-        return [self._for_this_model(p) for p in plans_near(self, budget, count, allow)]
+        return [self._for_this_model(p) for p in alternatives_with_head(self, self.head, budget, count, allow)]
 
     def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
         """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
@@ -175,13 +183,21 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
+        # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
+        head = None if on_meta is not None else measure_head(model, example_inputs, kwargs, blocks,
+                                                               loss_fn is not None, measured, repeats)
     # a segment's container must run its children itself: one its parent iterates never runs its forward
     measured.links = [link and name.rpartition(".")[0] in ran for name, link in zip(names, links)]
     # The shapes travel with every plan from this profile: its predictions hold at them (Plan.apply checks).
     model_meta = {**describe_model(model, names), "inputs": describe_inputs(example_inputs, example_kwargs)}
-    result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)}, model_meta=model_meta)
+    result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)}, model_meta=model_meta,
+                     head=head)
+    if head is not None:
+        head.profile.links = measured.links
     if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
         result.ops = None
+        if head is not None:
+            head.profile.ops = None
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")

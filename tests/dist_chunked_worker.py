@@ -1,0 +1,104 @@
+"""Run under torchrun (gloo): train two steps of a model whose loss is remat.chunked_lm_loss under DDP / FSDP2.
+
+The model's layers are checkpointed and its output layer and loss run in three chunks.  Every rank checks its
+gathered gradients against single-process plain autograd (the unchunked head and loss) on the global batch;
+rank 0 writes the largest differences as JSON to the path given as the first argument.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_worker import Block, fully_shard
+from helpers import leave_process_group
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import remat
+
+VOCAB = 40
+
+
+class LM(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2, chunks: int | None = None) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.chunks = chunks
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        if self.chunks is None:
+            return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        return remat.chunked_lm_loss(x, self.head.weight, labels, chunks=self.chunks, shift=False)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (2, 4, 12), generator=g), torch.randint(0, VOCAB, (2, 4, 12), generator=g)
+
+
+def _train(model, rank, world, gather):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, ys = _data()
+    per_rank = xs.shape[1] // world
+    grads = []
+    for x, y in zip(xs, ys):
+        opt.zero_grad()
+        local = slice(rank * per_rank, (rank + 1) * per_rank)
+        model(x[local], y[local]).backward()
+        grads.append(gather(model))
+        opt.step()
+    return grads
+
+
+def _names(model):
+    return {name.removeprefix("module.").replace("_checkpoint_wrapped_module.", ""): param
+            for name, param in model.named_parameters()}
+
+
+def _chunked(state):
+    model = LM(chunks=3)
+    model.load_state_dict(state)
+    remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
+def main(report_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    state = LM().state_dict()
+    reference = LM()
+    reference.load_state_dict(state)
+    expected = _train(reference, 0, 1, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
+    results = {"ddp": _train(DDP(_chunked(state)), rank, world,
+                             lambda m: {n: p.grad.clone() for n, p in _names(m).items()})}
+    mesh = init_device_mesh("cpu", (world,))
+    model = _chunked(state)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    results["fsdp2"] = _train(model, rank, world, lambda m: {n: p.grad.full_tensor().clone()
+                                                              for n, p in _names(m).items()})
+    report = {}
+    for label, steps in results.items():
+        worst = 0.0
+        for want, got in zip(expected, steps):
+            assert set(want) == set(got), (label, sorted(set(want) ^ set(got)))
+            worst = max(worst, max((want[n] - got[n]).abs().max().item() for n in want))
+        report[label] = worst
+    if rank == 0:
+        with open(report_path, "w") as f:
+            json.dump(report, f)
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
