@@ -15,9 +15,10 @@ import remat
 from remat.planning.chain import chain_options
 
 SEEDS = range(40)
-# Blocks that take one shared tensor as an argument measure 4-14% above their prediction under MemTracker, whose
-# hooks keep tensors of a recomputed block alive longer than the step without it does (torch.profiler's
-# allocator events agree with the prediction): left to test_shared_argument_input and the benchmark.
+# Blocks that take one shared tensor as an argument measure 4-14% above their prediction under MemTracker: its
+# module tracker waits for the gradients of all of a module's inputs before it calls back, holding each block's
+# input gradient until the shared tensor's is complete (torch.profiler's allocator events agree with the
+# prediction, but for the CPU RNG state each region keeps): left to test_shared_argument_input and the benchmark.
 SWEPT = tuple(pattern for pattern in PATTERNS if pattern != "shared_input")
 # Random assignments here leave save_matmuls out: a few of its assignments are still predicted 4-7% above the
 # measured peak (the safe side), which benchmarks/fuzz_plans.py reports.  The planner's own plans take it.
@@ -178,11 +179,13 @@ def test_save_matmuls_output_the_loss_saves():
     _holds(factory, x, prof, (2, "checkpoint", 1), (3, "save_matmuls", 1))
 
 
-@pytest.mark.xfail(strict=True, reason="MemTracker keeps a recomputed block's tensors alive longer than the step does")
+@pytest.mark.xfail(strict=True, reason="MemTracker holds input gradients until a shared input's is complete")
 def test_shared_argument_input():
     """``ctx = embed(x)`` passed to both blocks, the first checkpointed: MemTracker measures the planned step 7%
     above the prediction; the allocator's events (``remat.planning.memory.profiled_peak``) see 1% above it (the
-    checkpoint's RNG state), and a storage timeline of the step sees the prediction unless MemTracker runs."""
+    checkpoint's RNG state), and a storage timeline of the step sees the prediction unless MemTracker runs:
+    MemTracker's per-module gradient hook (all of a module's inputs) holds the first block's input gradient
+    until ``ctx``'s is complete."""
     case = make_case(9, ("shared_input",))
     assert case.pattern == "shared_input"
     prof = remat.profile(case.build(), case.inputs, loss_fn=case.loss_fn, repeats=1)
