@@ -11,7 +11,9 @@ as one region, as ``checkpoint_sequential`` does with equal runs:
   held only inside it (a ReLU's output the next convolution saves too; the solver counts those);
 * its backward starts with block ``j``'s and reruns ``i..j`` there: the transient is what the plain forward
   held above its live bytes when ``i`` started, up to ``j``'s last saved tensor (early stop ends the rerun
-  there); then blocks ``j..i`` run their backward over their recomputed tensors as without a plan;
+  there), plus block ``i``'s inputs the plain forward had freed by then (the region holds them); then blocks
+  ``j..i`` run their backward over their recomputed tensors as without a plan, and block ``i``'s inputs that
+  it does not save (a Dropout's) alive beside them;
 * its time is each block's price of checkpointing, less the per-region machinery it shares
   (``region_time`` once), plus the ops after each inner block's last saved tensor, which a lone block's
   early stop skips but the next block needs (``tail_time``).
@@ -61,7 +63,13 @@ def segment_transient(prof: StepProfile, first: int, last: int) -> int:
         True
     """
     rows = prof.rows
-    top = max([rows[k].forward_peak for k in range(first, last)] + [rows[last].save_peak])
+    released = rows[first].released_inputs
+
+    def rerun(k: int, live: int) -> int:
+        # the region holds block first's inputs through its rerun, where the step without a plan freed some
+        return live + sum(nbytes for block, nbytes in released if block <= k)
+
+    top = max([rerun(k, rows[k].forward_peak) for k in range(first, last)] + [rerun(last, rows[last].save_peak)])
     return max(0, top - rows[first].forward_start)
 
 

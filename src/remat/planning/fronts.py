@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 from .blockpolicy import BlockPolicy, OpDecision
 from .opgraph import BlockGraph, OpProfile
-from .prices import BlockPrices
+from .prices import BlockPrices, recompute_peak
 from .units import format_bytes
 
 __all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "offload_twins", "policy_for",
@@ -105,12 +105,7 @@ class _CostModel:
         self.checkpoint_time = self.prices.checkpoint_time
         self.selective_time = self.prices.selective_time
         self.gain = self.prices.gain
-        stop = graph.stop
-        # (maker, first op after which it is gone, bytes) of every storage a recomputation makes: saved
-        # tensors stay with the refill until backward unpacks them, the others die as in forward.
-        self.lives = [(s.producer, stop if s.saved or s.dies is None else min(s.dies, stop), s.nbytes)
-                      for s in graph.storages if s.producer < stop]
-        self.rerun = sum(1 for n in graph.nodes[:stop] if n.kind != "ignored")
+        self.rerun = sum(1 for n in graph.nodes[:graph.stop] if n.kind != "ignored")
         link = graph.overheads.link_bytes_per_s
         self.link = link if graph.asynchronous and link > 0 else 0.0
         # when each op's kernel ends in the block's forward (kernel times add up to the measured forward)
@@ -120,20 +115,6 @@ class _CostModel:
         for n in graph.nodes:
             elapsed += n.kernel_time * scale
             self.made_at.append(elapsed)
-
-    def recompute_peak(self, kept: set[int]) -> int:
-        """Most bytes a recomputation holds at once when the ``kept`` nodes are served instead of run."""
-        stop = self.graph.stop
-        delta = [0] * (stop + 1)
-        for producer, end, nbytes in self.lives:
-            if producer not in kept:
-                delta[producer] += nbytes
-                delta[end] -= nbytes
-        running = peak = 0
-        for change in delta[:stop]:
-            running += change
-            peak = max(peak, running)
-        return peak
 
     def copy_time(self, offloaded: tuple[int, ...], served: tuple[int, ...]) -> float:
         """Seconds the device waits for the copies of the ``offloaded`` nodes (``served``: every node the
@@ -181,7 +162,7 @@ class _CostModel:
         copies = self.copy_time(offloaded, served)
         time = self.prices.time(mode, served) + copies
         kept_bytes = graph.input_bytes + sum(nodes[i].out_bytes for i in kept)
-        peak = self.recompute_peak(set(served)) + moved
+        peak = recompute_peak(graph, set(served)) + moved
         return FrontPoint(mode, kept, kept_bytes, graph.input_bytes, time, peak,
                           max(0, kept_bytes + peak - graph.keep_all_bytes), self.rerun - len(served),
                           offloaded, moved, copies)

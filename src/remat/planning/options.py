@@ -123,10 +123,9 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
         if "checkpoint" in allow and row.checkpoint_time != float("inf"):
             choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
-            # The matmul outputs autograd does not save are released as soon as the recomputation has used
-            # them, like the forward's temporaries that recompute_bytes already counts.
+            # Its recomputation is served the kept matmul outputs it reruns to instead of making them again.
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
-                                       row.recompute_bytes, True))
+                                       max(0, row.recompute_bytes - row.matmul_spared_bytes), True))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "checkpoint_offload" in allow and on_accelerator and row is not prof.rows[-1]:
             choices += _checkpoint_offload(prof, row, prof.rows[prof.rows.index(row) + 1])

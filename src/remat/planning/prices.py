@@ -46,7 +46,7 @@ from ..policies.rules import MATMUL_OPS
 from .opgraph import BlockGraph
 from .timing import op_cost
 
-__all__ = ["BlockPrices"]
+__all__ = ["BlockPrices", "recompute_peak"]
 
 _MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
 
@@ -146,3 +146,30 @@ def _tied(gain: dict[int, float], nbytes: dict[int, int]) -> dict[int, float]:
             if i is not None:
                 chain = [i]
     return tied
+
+
+def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
+    """Most bytes a recomputation of ``graph``'s block holds at once above what it starts with, when the
+    ``served`` nodes' outputs are handed to it instead of rerun: saved tensors stay with the refill until
+    backward unpacks them, the others die as in forward, the served ones too (they are there from its start,
+    kept since the forward, and are gone once their last reader has run).
+
+    Example:
+        >>> recompute_peak(graph) >= recompute_peak(graph, {graph.keepable[0]})
+        True
+    """
+    stop = graph.stop
+    delta = [0] * (stop + 1)
+    given = 0
+    for s in graph.storages:
+        if s.producer >= stop:
+            continue
+        start = 0 if s.producer in served else s.producer
+        given += s.nbytes if s.producer in served else 0
+        delta[start] += s.nbytes
+        delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
+    running = peak = 0
+    for change in delta[:stop]:
+        running += change
+        peak = max(peak, running)
+    return max(0, peak - given)

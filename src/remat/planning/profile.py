@@ -35,7 +35,7 @@ from torch import nn
 
 from ..engine.replay import tensor_leaves
 from .opgraph import OpProfile, profile_ops
-from .prices import BlockPrices
+from .prices import BlockPrices, recompute_peak
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of, spread
@@ -60,6 +60,15 @@ class ModuleProfile:
     costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
     block inside a region reruns them for the next one).  ``writes_input``: the block writes in place to an
     input, so no region may start at it (only keep it, or run it inside a region that starts earlier).
+
+    A recomputing block keeps its inputs until its backward, where the step without a plan may have freed
+    them: ``unsaved_held_bytes`` is the part of ``held_bytes`` the block does not save (a Dropout's input: it
+    saves its mask), alive in the block's backward only under a plan; ``released_inputs`` lists ``(k, bytes)``
+    for this block's inputs the step without a plan had freed before block ``k``'s forward, which a region
+    starting at this block keeps through its rerun of ``k``.  ``matmul_bytes`` are the matmul outputs
+    ``save_matmuls`` keeps (those no later op overwrites) that no other block holds (the others are shared
+    storages ``kept_by`` it), ``matmul_spared_bytes`` how much less than ``recompute_bytes`` its recomputation
+    holds, served the kept outputs it reruns to.
     """
 
     name: str
@@ -81,6 +90,9 @@ class ModuleProfile:
     region_time: float = 0.0
     tail_time: float = 0.0
     writes_input: bool = False
+    unsaved_held_bytes: int = 0
+    released_inputs: list[tuple[int, int]] = field(default_factory=list)
+    matmul_spared_bytes: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -95,7 +107,11 @@ class SharedTensor:
     ``saved_by``: blocks that save it for backward; ``input_of``: blocks that take it as an input (a
     recomputing block keeps its inputs until its backward); ``outside``: also saved by code outside the
     blocks; ``alive``: per segment, whether it outlives that segment in the step without checkpointing;
-    ``output_of``: blocks that returned it (their caller holds it after their forward).
+    ``output_of``: blocks that returned it (their caller holds it after their forward); ``kept_by``: blocks
+    whose ``save_matmuls`` would keep it (a matmul output of theirs) until their recomputation starts, and
+    ``served_to`` those whose recomputation is served it (made before their last saved tensor), which hold it
+    on through their backward; ``at_peak``: per segment, whether it was alive at that segment's peak (it may
+    die later in the segment).
     """
 
     nbytes: int
@@ -104,6 +120,14 @@ class SharedTensor:
     outside: bool
     alive: list[bool]
     output_of: list[int] = field(default_factory=list)
+    kept_by: list[int] = field(default_factory=list)
+    served_to: list[int] = field(default_factory=list)
+    at_peak: list[bool] = field(default_factory=list)
+
+    @property
+    def holders(self) -> set[int]:
+        """The blocks whose decisions may hold it: savers, takers, and those save_matmuls keeps it for."""
+        return set(self.saved_by) | set(self.input_of) | set(self.kept_by)
 
 
 @dataclass
@@ -206,6 +230,10 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     for row in prof.rows:
         graph = prof.ops.blocks.get(row.name)
         row.writes_input = graph is not None and graph.writes_input
+        if graph is not None:
+            # save_matmuls serves its recomputation the kept matmul outputs it reruns to
+            served = set(BlockPrices(graph).matmul_nodes())
+            row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
     return prof
 
 
@@ -315,26 +343,43 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
               checkpoint_time: list[float], selective_time: list[float], step_time: float, device: str) -> StepProfile:
     n = len(blocks)
     segments, last_raw = _segments(timeline.segments, n)
-    own, held, first_saved = [0] * n, [0] * n, [0] * n
+    first_raw = [0] + [k + 1 for k in last_raw[:-1]]  # a segment's peak is its first raw segment's
+    own, held, unsaved_held, first_saved, matmul = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
+    released: list[dict[int, int]] = [{} for _ in range(n)]
     shared: list[SharedTensor] = []
+    # the matmul outputs save_matmuls keeps: those no later op writes in place
+    kept_matmuls = [meter.outputs[i] - meter.overwritten for i in range(n)]
     for record in timeline.records:
         if record.existing:
             continue
         saving = sorted(j for j in record.savers if j is not None)
         if saving:
             first_saved[saving[0]] += record.nbytes
+        kept_by = [i for i in range(n) if record in kept_matmuls[i]]
         holders = set(saving) | record.inputs
+        if kept_by and not (holders - set(kept_by)) and None not in record.savers:
+            # its maker alone may hold it: save_matmuls keeps it among the block's own bytes
+            matmul[kept_by[0]] += record.nbytes
+            kept_by = []
+        holders |= set(kept_by)
         if not holders:
             continue  # no decision changes its life
+        for i in record.inputs:
+            k = _first_forward_after(probe, i, record.death)
+            if k is not None:
+                released[i][k] = released[i].get(k, 0) + record.nbytes
         alive = [record.birth <= k and (record.death is None or record.death > k) for k in last_raw]
         if _is_own(record, saving, holders, alive, segments, probe):
             (j,) = holders
             own[j] += record.nbytes if saving else 0
             held[j] += record.nbytes if j in record.inputs else 0
+            unsaved_held[j] += record.nbytes if j in record.inputs and not saving else 0
         else:
             returned = [j for j in range(n) if record in probe.outputs[j]]
+            served = [i for i in kept_by if record.born_event <= probe.last_save_event[i]]
+            at_peak = [timeline.alive_at_peak(record, k) for k in first_raw]
             shared.append(SharedTensor(record.nbytes, saving, sorted(record.inputs), None in record.savers, alive,
-                                       returned))
+                                       returned, kept_by, served, at_peak))
     forward_peak = probe.forward_start.copy()
     for label, peak, _, _ in timeline.segments:
         head, _, number = label.rpartition(" ")
@@ -342,14 +387,14 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
             forward_peak[int(number)] = max(forward_peak[int(number)], peak)
     rows = []
     for i, (name, module) in enumerate(blocks):
-        matmul = meter.outputs[i]
         rows.append(ModuleProfile(
             name=name, cls=type(module).__name__, act_bytes=first_saved[i], input_bytes=probe.input_bytes[i],
             output_bytes=probe.output_bytes[i], forward_time=forward_time[i], matmul_time=matmul_time[i],
-            matmul_bytes=sum(r.nbytes for r in matmul), own_bytes=own[i], held_bytes=held[i],
+            matmul_bytes=matmul[i], own_bytes=own[i], held_bytes=held[i],
             recompute_bytes=probe.last_save_peak[i] - probe.forward_start[i],
             checkpoint_time=checkpoint_time[i], save_matmuls_time=selective_time[i],
             forward_start=probe.forward_start[i], forward_peak=forward_peak[i], save_peak=probe.last_save_peak[i],
+            unsaved_held_bytes=unsaved_held[i], released_inputs=sorted(released[i].items()),
         ))
     params = list(model.parameters())
     return StepProfile(
@@ -358,6 +403,14 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
         grad_bytes=grad_bytes, peak_bytes=max(s.peak for s in segments), device=device, step_time=step_time,
     )
+
+
+def _first_forward_after(probe: _Probe, i: int, death: int | None) -> int | None:
+    """The first block after block ``i`` whose forward began after a storage that died in raw segment
+    ``death`` was gone (None if it outlived them all)."""
+    if death is None:
+        return None
+    return next((k for k in range(i + 1, len(probe.blocks)) if probe.forward_mark[k] > death), None)
 
 
 def _is_own(record: _Storage, saving: list[int], holders: set[int], alive: list[bool], segments: list[Segment],

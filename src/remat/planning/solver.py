@@ -114,13 +114,17 @@ class _Accounting:
         n = len(prof.rows)
         self.n = n
         self.own = [row.own_bytes for row in prof.rows]
+        # a recomputing block's inputs that it does not save: dead in its backward without a plan, held with one
+        self.unsaved = [row.unsaved_held_bytes for row in prof.rows]
         self.shared = prof.shared
         self._inner: dict[tuple[int, int], tuple[int, int]] = {}
         self._peaks: dict[tuple[int, int, int], int] = {}  # option_peak by (block, id(option), mask)
         self._runs: dict[tuple[int, int, int], tuple[list[int], int, int]] = {}  # see _run_peaks
-        holders = [set(s.saved_by) | set(s.input_of) for s in prof.shared]
+        holders = [s.holders for s in prof.shared]
         self.saves = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.saved_by) for j in range(n)]
         self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
+        self.matmuls = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.kept_by) for j in range(n)]
+        self.served = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.served_to) for j in range(n)]
         # checks[p]: (base, const, varying) for the segments evaluated with the decisions of blocks < p
         self.checks: list[list[tuple[int, int, list[tuple[int, int]]]]] = [[] for _ in range(n + 1)]
         self.backward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's peak
@@ -134,13 +138,15 @@ class _Accounting:
             for k, s in enumerate(prof.shared):
                 if not any(j < bound for j in holders[k]):
                     continue
+                # alive at the stretch's peak without a plan, though gone by its end (None: not recorded)
+                at_peak = s.at_peak[t] if s.at_peak else s.alive[t]
                 if not seg.backward:  # forward: a plan can only lengthen a life (callers hold the rest)
-                    if not s.alive[t]:
+                    if not (s.alive[t] or at_peak):
                         varying.append((1 << k, s.nbytes))
                     continue
                 in_base = any(j < bound for j in s.saved_by)
-                if s.alive[t] and (s.outside or not in_base):
-                    continue  # alive whatever the plan
+                if (s.alive[t] or s.outside and at_peak) and (s.outside or not in_base):
+                    continue  # alive whatever the plan (code outside the blocks holds it at the stretch's peak)
                 const -= s.nbytes if in_base else 0
                 varying.append((1 << k, s.nbytes))
             for bit, _ in varying:
@@ -187,6 +193,8 @@ class _Accounting:
         its inner storages set, whose bytes :meth:`freed_by` counts freed instead."""
         if option.span > 1:
             return self.takes[q] | self.inner(q, q + option.span - 1)[0]
+        if option.name == "save_matmuls":  # its inputs, and the matmul outputs it keeps that others hold too
+            return self.takes[q] | self.matmuls[q]
         return self.takes[q] if option.recomputes else self.saves[q]
 
     def inner(self, first: int, last: int) -> tuple[int, int]:
@@ -203,7 +211,7 @@ class _Accounting:
         if key not in self._inner:
             bits = nbytes = 0
             for k, s in enumerate(self.shared):
-                holders = set(s.saved_by) | set(s.input_of)
+                holders = s.holders
                 if (s.saved_by and not s.outside and min(holders) >= first and max(holders) <= last
                         and first not in s.input_of and last not in s.output_of):
                     bits |= 1 << k
@@ -236,8 +244,7 @@ class _Accounting:
         if len(peaks) >= length:
             return peaks
         held = mask | self.takes[p]
-        # inputs the region keeps that its first block does not save live on through the run's backward
-        unsaved_inputs = max(0, kept - self.own[p])
+        unsaved_inputs = self.unsaved[p]  # the region keeps them through the run's backward
         peak = peaks[-1] if peaks else -(2**62)
         for q in range(p + len(peaks), p + length):
             if q > p:
@@ -252,9 +259,13 @@ class _Accounting:
 
     def own_peak(self, q: int, option: BlockOption, own_bytes: int, freed: int, mask: int) -> int:
         """The peak of block q's backward under ``option`` (its recomputation included)."""
-        peak = self.value(self.backward[q], freed, mask | self.saves[q] | self.holds(q, option))
+        held_inputs = self.unsaved[q] if option.recomputes else 0
+        held, started = self.holds(q, option), self.takes[q]
+        if option.name == "save_matmuls":  # its kept matmul outputs the recomputation does not rerun to are
+            held, started = self.takes[q] | self.served[q], started | self.matmuls[q]  # gone when it starts
+        peak = self.value(self.backward[q], freed - held_inputs, mask | self.saves[q] | held)
         if option.recomputes:
-            start = self.value(self.restart[q], freed, mask | self.takes[q])
+            start = self.value(self.restart[q], freed, mask | started)
             peak = max(peak, start - (own_bytes - option.kept) + option.transient)
         return peak
 

@@ -45,10 +45,11 @@ class Segment:
 class _Storage:
     """What the profile learns about one storage: size, life in raw segments, who saves and takes it."""
 
-    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted")
+    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted", "born_event", "died_event")
 
-    def __init__(self, nbytes: int, birth: int, existing: bool, counted: bool) -> None:
+    def __init__(self, nbytes: int, birth: int, existing: bool, counted: bool, event: int) -> None:
         self.nbytes, self.birth, self.death, self.existing, self.counted = nbytes, birth, None, existing, counted
+        self.born_event, self.died_event = event, None  # when it came and went among all allocations and frees
         self.savers: set[int | None] = set()  # block indices; None for code outside the blocks
         self.inputs: set[int] = set()
 
@@ -67,11 +68,14 @@ class _Timeline(TorchDispatchMode):
         self.segment_start = 0
         self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.records: list[_Storage] = []
+        self.events = 0  # allocations and frees so far
+        self.peak_events: list[int] = []  # per segment: the last event at which its peak was reached
         for t in existing:
             self.track(t, existing=True)
         for t in uncounted:
             self.track(t, existing=True, counted=False)
         self.segment_peak = self.segment_start = self.live
+        self.segment_peak_event = self.events
 
     def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
         """The record of ``t``'s storage, created (and counted live) on first sight."""
@@ -79,24 +83,38 @@ class _Timeline(TorchDispatchMode):
         found = self.storages.get(storage)
         if found is not None:
             return found
-        record = _Storage(storage.nbytes(), len(self.segments), existing, counted)
+        self.events += 1
+        record = _Storage(storage.nbytes(), len(self.segments), existing, counted, self.events)
         self.storages[storage] = record
         self.records.append(record)
         self.live += record.nbytes if counted else 0
-        self.segment_peak = max(self.segment_peak, self.live)
+        if self.live >= self.segment_peak:  # at a tie, the later moment: a storage alive then was at both
+            self.segment_peak, self.segment_peak_event = self.live, self.events
         # A storage's Python object lives as long as the storage: its death frees the bytes.
         weakref.finalize(storage, self._free, record)
         return record
 
     def _free(self, record: _Storage) -> None:
+        self.events += 1
         self.live -= record.nbytes if record.counted else 0
-        record.death = len(self.segments)
+        record.death, record.died_event = len(self.segments), self.events
 
     def mark(self, label: str) -> None:
         """Close the current segment under ``label`` and start the next one."""
         self.segments.append((label, self.segment_peak, self.ops, self.segment_start))
+        self.peak_events.append(self.segment_peak_event)
         self.segment_peak = self.segment_start = self.live
+        self.segment_peak_event = self.events
         self.ops = 0
+
+    def alive_at_peak(self, record: _Storage, segment: int) -> bool:
+        """Whether ``record``'s storage was alive when raw segment ``segment`` reached its peak.
+
+        Example:
+            >>> timeline.alive_at_peak(record, 3)
+        """
+        moment = self.peak_events[segment]
+        return record.born_event <= moment and (record.died_event is None or record.died_event > moment)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -120,7 +138,9 @@ class _Probe:
         self.input_bytes = [0] * n
         self.output_bytes = [0] * n
         self.forward_start = [0] * n
+        self.forward_mark = [0] * n  # the raw segment each block's forward runs in
         self.last_save_peak = [0] * n  # the forward's peak when it saved its last tensor (where early stop ends)
+        self.last_save_event = [0] * n  # and the timeline's event count then: storages born later are not rerun
         self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
         self.current: int | None = None
         self.last_backward: int | None = None
@@ -140,6 +160,7 @@ class _Probe:
         i = self.index[id(module)]
         self.timeline.mark(f"before forward {i}")
         self.current = i
+        self.forward_mark[i] = len(self.timeline.segments)
         self.forward_start[i] = self.last_save_peak[i] = self.timeline.live
         seen = set()
         for t in tensor_leaves((args, kwargs)):
@@ -183,11 +204,13 @@ class _Probe:
             record.savers.add(self.current)
             if self.current is not None:
                 self.last_save_peak[self.current] = self.timeline.segment_peak
+                self.last_save_event[self.current] = self.timeline.events
         return t
 
 
 class _MatmulMeter(TorchDispatchMode):
-    """Per block: its matmul-like outputs, and whether one is written in place after the block's forward.
+    """Per block: its matmul-like outputs, which of them a later op writes in place, and whether one is written
+    after the block's forward.
 
     ``save_matmuls`` keeps those outputs; one modified after forward would make its recomputation fail
     (the kept value is no longer what the gradients need), so that block cannot take the option.
@@ -199,6 +222,7 @@ class _MatmulMeter(TorchDispatchMode):
         n = len(probe.blocks)
         self.outputs: list[set[_Storage]] = [set() for _ in range(n)]
         self.mutated_later = [False] * n
+        self.overwritten: set[_Storage] = set()  # matmul outputs a later op writes in place: save_matmuls drops them
         self._owner: dict[_Storage, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -211,9 +235,11 @@ class _MatmulMeter(TorchDispatchMode):
             for position, name in written:
                 target = args[position] if position < len(args) else kwargs.get(name)
                 for t in tensor_leaves(target):
-                    owner = self._owner.get(storages.get(t.untyped_storage()))
-                    if owner is not None and owner != i:
-                        self.mutated_later[owner] = True
+                    record = storages.get(t.untyped_storage())
+                    owner = self._owner.get(record)
+                    if owner is not None:
+                        self.overwritten.add(record)
+                        self.mutated_later[owner] |= owner != i
         if i is not None and func in MATMUL_OPS:
             for t in tensor_leaves(out):
                 record = self.probe.timeline.track(t)

@@ -1,0 +1,193 @@
+"""The plan fuzz's checker: every plan of a random model keeps its promise in a short training loop.
+
+For one :class:`~fuzz_models.FuzzCase`, :func:`check_case` profiles the model, takes the planner's plan at every
+feasible budget of a grid and a few random assignments of options (each block's keep / checkpoint /
+save_matmuls / selective point, or a segment over a run of blocks), and runs every distinct plan through
+:func:`remat.check_plan`: a few SGD steps of a planned and an unplanned copy, each step's peak measured with
+MemTracker.  A plan holds when every step peaks within 3% of the prediction and the gradients are bitwise
+equal; an exception where plain autograd runs is an error.
+
+Example:
+    >>> result = check_case(make_case(7))
+    >>> [plan.label for plan in result.plans if not plan.holds]
+    []
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fuzz_models import FuzzCase
+
+import remat
+from remat.planning.chain import chain_options
+from remat.planning.options import DEFAULT_ALLOW, BlockOption
+from remat.planning.plan import Plan
+from remat.planning.profile import StepProfile
+from remat.planning.solver import InfeasibleBudget, plan_from_profile
+
+__all__ = ["BUDGETS", "CaseResult", "PlanResult", "assignment_plan", "check_case", "random_assignment"]
+
+BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+"""The grid of budgets, as fractions of the unplanned peak above parameters."""
+
+
+@dataclass
+class PlanResult:
+    """One plan of a case: its label (``"50%"``, ``"random 2"``), what it decides, and what the check saw.
+
+    ``error`` is the exception's last line when the planned step raised; ``peaks`` the measured peak per step.
+    """
+
+    label: str
+    decisions: str
+    predicted: int
+    peaks: list[int] = field(default_factory=list)
+    grads_equal: bool = True
+    error: str = ""
+
+    @property
+    def worst(self) -> float:
+        """The measured peak's largest signed error against the prediction over the steps."""
+        return max(((peak - self.predicted) / max(self.predicted, 1) for peak in self.peaks), key=abs, default=0.0)
+
+    @property
+    def peaks_hold(self) -> bool:
+        return bool(self.peaks) and abs(self.worst) <= remat.planning.check.PEAK_TOLERANCE
+
+    @property
+    def holds(self) -> bool:
+        return not self.error and self.peaks_hold and self.grads_equal
+
+    def __str__(self) -> str:
+        verdict = (f"error: {self.error}" if self.error else
+                   f"predicted {self.predicted:,} measured {self.peaks} ({self.worst:+.1%})"
+                   f"{'' if self.grads_equal else ', gradients differ'}")
+        return f"{self.label}: {self.decisions}: {verdict}"
+
+
+@dataclass
+class CaseResult:
+    """One case: its plans, or ``error`` when the model could not be profiled (the exception's last line)."""
+
+    case: FuzzCase
+    plans: list[PlanResult] = field(default_factory=list)
+    error: str = ""
+
+    def misses(self) -> list[PlanResult]:
+        return [plan for plan in self.plans if not plan.holds]
+
+
+def check_case(case: FuzzCase, budgets: Sequence[float] = BUDGETS, assignments: int = 2, steps: int = 3,
+               allow: Sequence[str] = DEFAULT_ALLOW) -> CaseResult:
+    """Profile ``case``'s model, plan it at every feasible budget of ``budgets`` and take ``assignments`` random
+    assignments of the options in ``allow`` (and ``keep``) besides; check every distinct plan over ``steps``
+    training steps.
+
+    Example:
+        >>> check_case(make_case(3), budgets=(0.5,), assignments=0).plans[0].holds
+        True
+    """
+    result = CaseResult(case)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unsteady timings on a busy machine: the plans are checked anyway
+            prof = remat.profile(case.build(), case.inputs, loss_fn=case.loss_fn, repeats=1)
+    except Exception as error:  # noqa: BLE001 - a model plain autograd trains must profile: any failure counts
+        result.error = _last_line(error)
+        return result
+    seen: set[str] = set()
+    rng = random.Random(case.seed)
+    candidates: list[tuple[str, Plan]] = []
+    for budget in budgets:
+        try:
+            candidates.append((f"{budget:.0%}", prof.plan(budget)))
+        except InfeasibleBudget:
+            continue
+    options = [[o for o in choices if o.name in ("keep", "segment", *allow)] for choices in chain_options(prof)]
+    for k in range(assignments):
+        candidates.append((f"random {k}", assignment_plan(prof, random_assignment(options, rng))))
+    for label, plan in candidates:
+        key = _describe(plan)
+        if key in seen:
+            continue
+        seen.add(key)
+        result.plans.append(_check(case, label, key, plan, steps))
+    return result
+
+
+def random_assignment(options: list[list[BlockOption]], rng: random.Random) -> list[BlockOption]:
+    """One option per run of blocks, drawn at random (a ``segment`` where one starts, half the time), spans
+    covering every block once.
+
+    Example:
+        >>> chosen = random_assignment(chain_options(prof), random.Random(0))
+    """
+    chosen, p = [], 0
+    while p < len(options):
+        segments = [o for o in options[p] if o.span > 1]
+        pool = segments if segments and rng.random() < 0.5 else [o for o in options[p] if o.span == 1]
+        option = rng.choice(pool)
+        chosen.append(option)
+        p += option.span
+    return chosen
+
+
+def assignment_plan(prof: StepProfile, chosen: Sequence[BlockOption]) -> Plan:
+    """The plan that takes exactly ``chosen`` (one option per run of blocks, as :func:`random_assignment`), priced
+    by the planner's own cost model: each chosen option is offered beside a ``keep`` priced out of reach, under
+    a budget every plan fits.
+
+    Example:
+        >>> plan = assignment_plan(prof, random_assignment(chain_options(prof), random.Random(0)))
+    """
+    offered, p = [], 0
+    for option in chosen:
+        keep = BlockOption("keep", prof.rows[p].own_bytes)
+        offered.append([keep] if option.name == "keep" else [BlockOption("keep", keep.kept, 1e9), option])
+        offered.extend([keep_inner] for keep_inner in
+                       (BlockOption("keep", row.own_bytes) for row in prof.rows[p + 1:p + option.span]))
+        p += option.span
+    return plan_from_profile(prof, 4 * prof.peak_bytes, options=offered)
+
+
+def _check(case: FuzzCase, label: str, decisions: str, plan: Plan, steps: int) -> PlanResult:
+    result = PlanResult(label, decisions, plan.predicted_peak - plan.param_bytes)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checked = remat.check_plan(case.build, plan, case.inputs, loss_fn=case.loss_fn, steps=steps,
+                                       optimizer="sgd", seed=case.seed)
+    except Exception as error:  # noqa: BLE001 - plain autograd trains this model: any failure under a plan counts
+        result.error = _last_line(error)
+        return result
+    result.peaks = [row.peak for row in checked.rows]
+    result.grads_equal = checked.grads_equal
+    return result
+
+
+def _describe(plan: Plan) -> str:
+    """The plan's decisions in a line: segments as ``[a..b]``, other blocks by their option's initial."""
+    in_segments = {name: run for run in plan.segments for name in run}
+    parts = []
+    for name, decision in plan.decisions.items():
+        run = in_segments.get(name)
+        if run is not None:
+            if name == run[0]:
+                parts.append(f"[{run[0]}..{run[-1]}]")
+            continue
+        policy = plan.policies.get(name)
+        tag = {"keep": "k", "checkpoint": "c", "save_matmuls": "m", "offload": "o"}.get(decision, decision[:3])
+        if policy is not None:
+            tag += str(sum(op["decision"] != "recompute" for op in policy.get("ops", [])))
+        parts.append(f"{name}:{tag}")
+    return " ".join(parts)
+
+
+def _last_line(error: BaseException) -> str:
+    lines = traceback.format_exception_only(type(error), error)
+    return lines[-1].strip() if lines else type(error).__name__
