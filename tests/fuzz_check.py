@@ -28,7 +28,7 @@ from remat.planning.chain import chain_options
 from remat.planning.options import DEFAULT_ALLOW, BlockOption
 from remat.planning.plan import Plan
 from remat.planning.profile import StepProfile
-from remat.planning.solver import InfeasibleBudget, plan_from_profile
+from remat.planning.solver import InfeasibleBudget, plan_of
 
 __all__ = ["BUDGETS", "CaseResult", "PlanResult", "assignment_plan", "check_case", "random_assignment"]
 
@@ -139,20 +139,16 @@ def random_assignment(options: list[list[BlockOption]], rng: random.Random) -> l
 
 def assignment_plan(prof: StepProfile, chosen: Sequence[BlockOption]) -> Plan:
     """The plan that takes exactly ``chosen`` (one option per run of blocks, as :func:`random_assignment`), priced
-    by the planner's own cost model: each chosen option is offered beside a ``keep`` priced out of reach, under
-    a budget every plan fits.
+    by the planner's own cost model.
 
     Example:
         >>> plan = assignment_plan(prof, random_assignment(chain_options(prof), random.Random(0)))
     """
-    offered, p = [], 0
+    placed, p = [], 0
     for option in chosen:
-        keep = BlockOption("keep", prof.rows[p].own_bytes)
-        offered.append([keep] if option.name == "keep" else [BlockOption("keep", keep.kept, 1e9), option])
-        offered.extend([keep_inner] for keep_inner in
-                       (BlockOption("keep", row.own_bytes) for row in prof.rows[p + 1:p + option.span]))
+        placed.append((p, option))
         p += option.span
-    return plan_from_profile(prof, 4 * prof.peak_bytes, options=offered)
+    return plan_of(prof, placed, 4 * prof.peak_bytes)
 
 
 def _check(case: FuzzCase, label: str, decisions: str, plan: Plan, steps: int) -> PlanResult:
