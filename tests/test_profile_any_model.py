@@ -166,3 +166,87 @@ def test_repeated_sequential_stages_stay_blocks():
     """Plain containers of one structure are one block repeated: they stay the unit of the plan."""
     model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)) for _ in range(4)))
     assert [name for name, _ in remat.planning.discovery.candidate_modules(model)] == ["0", "1", "2", "3"]
+
+
+def _make_divisible(value: float, divisor: int = 8) -> int:
+    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+    return rounded + divisor if rounded < 0.9 * value else rounded
+
+
+class _ConvNormActivation(nn.Sequential):
+    def __init__(self, cin: int, cout: int, kernel: int = 3, stride: int = 1, groups: int = 1,
+                 activation: type[nn.Module] | None = nn.Hardswish) -> None:
+        layers = [nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+                  nn.BatchNorm2d(cout, eps=0.001, momentum=0.01)]
+        super().__init__(*layers, *([activation(inplace=True)] if activation is not None else []))
+
+
+class _SqueezeExcitation(nn.Module):
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.avgpool, self.fc1, self.fc2 = nn.AdaptiveAvgPool2d(1), nn.Conv2d(channels, squeezed, 1), nn.Conv2d(
+            squeezed, channels, 1)
+        self.activation, self.scale_activation = nn.ReLU(), nn.Hardsigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale_activation(self.fc2(self.activation(self.fc1(self.avgpool(x))))) * x
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, cin: int, kernel: int, expanded: int, cout: int, excite: bool, hardswish: bool,
+                 stride: int) -> None:
+        super().__init__()
+        self.use_res_connect = stride == 1 and cin == cout
+        activation = nn.Hardswish if hardswish else nn.ReLU
+        layers: list[nn.Module] = [] if expanded == cin else [_ConvNormActivation(cin, expanded, 1,
+                                                                                   activation=activation)]
+        layers.append(_ConvNormActivation(expanded, expanded, kernel, stride, groups=expanded, activation=activation))
+        if excite:
+            layers.append(_SqueezeExcitation(expanded, _make_divisible(expanded // 4)))
+        layers.append(_ConvNormActivation(expanded, cout, 1, activation=None))
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.block(x)
+        if self.use_res_connect:
+            result += x  # in place, as torchvision writes it
+        return result
+
+
+class _MobileNetV3Small(nn.Module):
+    """torchvision's ``mobilenet_v3_small``, layer for layer (the suite has no torchvision)."""
+
+    SETTINGS = [(16, 3, 16, 16, True, False, 2), (16, 3, 72, 24, False, False, 2), (24, 3, 88, 24, False, False, 1),
+                (24, 5, 96, 40, True, True, 2), (40, 5, 240, 40, True, True, 1), (40, 5, 240, 40, True, True, 1),
+                (40, 5, 120, 48, True, True, 1), (48, 5, 144, 48, True, True, 1), (48, 5, 288, 96, True, True, 2),
+                (96, 5, 576, 96, True, True, 1), (96, 5, 576, 96, True, True, 1)]
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(_ConvNormActivation(3, 16, 3, 2),
+                                      *(_InvertedResidual(*setting) for setting in self.SETTINGS),
+                                      _ConvNormActivation(96, 576, 1))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(inplace=True),
+                                        nn.Dropout(0.2, inplace=True), nn.Linear(1024, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def test_mobilenet_v3_small_profiles_to_memtrackers_byte_and_its_plan_holds():
+    """Its profile peak is MemTracker's to the byte (the same bytes as torchvision's own model, measured beside it)."""
+    x = torch.randn(8, 3, 96, 96)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return _MobileNetV3Small().train()
+
+    model = build()
+    prof = remat.profile(model, x, loss_fn=lambda out: out.sum(), repeats=1)
+    assert [row.name for row in prof.rows] == [f"features.{i}" for i in range(1, 12)]
+    model.zero_grad(set_to_none=True)
+    measured = remat.measure_step(lambda: model(x).sum().backward(), model).peak_above_params
+    assert prof.peak_above_params == measured  # 26,357,168 bytes, as torchvision 0.29.1's own model measures
+    result = remat.check_plan(build, prof.plan("70%"), x, loss_fn=lambda out: out.sum(), steps=2, optimizer="sgd")
+    assert result.holds, str(result)
