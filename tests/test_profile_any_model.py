@@ -250,3 +250,31 @@ def test_mobilenet_v3_small_profiles_to_memtrackers_byte_and_its_plan_holds():
     assert prof.peak_above_params == measured  # 26,357,168 bytes, as torchvision 0.29.1's own model measures
     result = remat.check_plan(build, prof.plan("70%"), x, loss_fn=lambda out: out.sum(), steps=2, optimizer="sgd")
     assert result.holds, str(result)
+
+
+class _ScalesByMask(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)  # writes its input in place, and reads an expanded mask it cannot write to
+        return torch.relu(self.lin(x)) * mask + x
+
+
+def test_a_block_writing_its_input_beside_an_expanded_mask_profiles():
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(16, 16)
+            self.blocks = nn.ModuleList(_ScalesByMask(16) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.ones(1, 16).expand(x.shape[0], 16)  # stride 0 in its first dimension
+            x = self.stem(x)
+            for block in self.blocks:
+                x = block(x, mask)
+            return x
+
+    prof = remat.profile(Masked(), torch.randn(64, 16), loss_fn=lambda out: out.sum(), repeats=1)
+    assert [row.writes_input for row in prof.rows] == [True] * 3

@@ -391,8 +391,9 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
     held = _Held()
     inputs: list[tuple[tuple, dict]] = []
 
-    def prepare() -> None:
-        inputs[:] = [_fresh_copies((record.args, record.kwargs))]
+    def prepare() -> None:  # only a block that writes to its inputs needs them afresh for every run
+        inputs[:] = [_fresh_copies((record.args, record.kwargs)) if record.writes_input
+                     else (record.args, record.kwargs)]
 
     def forward() -> None:
         args, kwargs = inputs.pop()
@@ -405,15 +406,15 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
 
 
 def _fresh_copies(tree: Any) -> Any:
-    """Copies of a block's recorded inputs for one timed run, made as its forward met them: a block that
-    writes in place to an input (``nn.ReLU(inplace=True)`` as a layer of its own, ``x[:, :4].mul_(2)``)
-    writes to its copy, which, where the input needs grad, is an autograd result like the activation it
-    stands for, not a leaf that autograd refuses to let change.  One copy per tensor object, so arguments
-    passed twice stay one tensor."""
+    """Copies of a block's recorded inputs for one timed run of a block that writes to one in place (a layer
+    ``nn.ReLU(inplace=True)``, ``x[:, :4].mul_(2)``): where it needs grad, an autograd result like the activation
+    it stands for, not a leaf autograd refuses to let change.  One copy per tensor object (passed twice: one)."""
     copies: dict[int, torch.Tensor] = {}
 
     def copy(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
+            return x
+        if torch._debug_has_internal_overlap(x):  # an expanded mask: nothing writes to it (torch refuses)
             return x
         if id(x) not in copies:  # strides kept: a sliced input stays one, and ops on it stay the same ops
             fresh = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
