@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_worker import Block, fully_shard, write_report
+from dist_worker import Block, fully_shard, unwrapped_names, write_report
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,11 +56,6 @@ def _train(model, rank, world, gather):
     return grads
 
 
-def _names(model):
-    return {name.removeprefix("module.").replace("_checkpoint_wrapped_module.", ""): param
-            for name, param in model.named_parameters()}
-
-
 def _chunked(state):
     model = LM(chunks=3)
     model.load_state_dict(state)
@@ -77,14 +72,14 @@ def main(report_path: str) -> None:
     reference.load_state_dict(state)
     expected = _train(reference, 0, 1, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
     results = {"ddp": _train(DDP(_chunked(state)), rank, world,
-                             lambda m: {n: p.grad.clone() for n, p in _names(m).items()})}
+                             lambda m: {n: p.grad.clone() for n, p in unwrapped_names(m).items()})}
     mesh = init_device_mesh("cpu", (world,))
     model = _chunked(state)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     results["fsdp2"] = _train(model, rank, world, lambda m: {n: p.grad.full_tensor().clone()
-                                                              for n, p in _names(m).items()})
+                                                              for n, p in unwrapped_names(m).items()})
     write_report(report_path, rank, expected, results)
 
 

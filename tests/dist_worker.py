@@ -76,7 +76,8 @@ def _train(model, rank, world, gather):
     return grads
 
 
-def _names(model):
+def unwrapped_names(model):
+    """Parameters by the names of the plain model: DDP's ``module.`` and checkpoint wrappers' levels left out."""
     names = {}
     for name, param in model.named_parameters():
         name = name.removeprefix("module.")  # DDP's own level
@@ -100,7 +101,7 @@ def main(report_path: str) -> None:
     results = {}
 
     def ddp_gather(model):
-        return {n: p.grad.clone() for n, p in _names(model).items()}
+        return {n: p.grad.clone() for n, p in unwrapped_names(model).items()}
 
     for label, kwargs in (("ddp", {}), ("ddp_static_graph", {"static_graph": True}),
                           ("ddp_find_unused", {"find_unused_parameters": True})):
@@ -108,7 +109,7 @@ def main(report_path: str) -> None:
         results[label] = _train(model, rank, world, ddp_gather)
 
     def fsdp_gather(model):
-        return {n: p.grad.full_tensor().clone() for n, p in _names(model).items()}
+        return {n: p.grad.full_tensor().clone() for n, p in unwrapped_names(model).items()}
 
     # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one (rank 1 of one GPU fails).
     mesh = init_device_mesh("cpu", (world,))
