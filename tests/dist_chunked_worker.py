@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_worker import Block, fully_shard, unwrapped_names, write_report
+from dist_worker import Block, checkpointed, fully_shard, unwrapped_names, write_report
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,13 +56,6 @@ def _train(model, rank, world, gather):
     return grads
 
 
-def _chunked(state):
-    model = LM(chunks=3)
-    model.load_state_dict(state)
-    remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    return model
-
-
 def main(report_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,10 +64,10 @@ def main(report_path: str) -> None:
     reference = LM()
     reference.load_state_dict(state)
     expected = _train(reference, 0, 1, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
-    results = {"ddp": _train(DDP(_chunked(state)), rank, world,
+    results = {"ddp": _train(DDP(checkpointed(LM(chunks=3), state)), rank, world,
                              lambda m: {n: p.grad.clone() for n, p in unwrapped_names(m).items()})}
     mesh = init_device_mesh("cpu", (world,))
-    model = _chunked(state)
+    model = checkpointed(LM(chunks=3), state)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -85,8 +85,8 @@ def unwrapped_names(model):
     return names
 
 
-def _checkpointed(state):
-    model = Net()
+def checkpointed(model, state):
+    """``model`` with weights ``state`` and its blocks checkpointed."""
     model.load_state_dict(state)
     remat.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     return model
@@ -105,7 +105,7 @@ def main(report_path: str) -> None:
 
     for label, kwargs in (("ddp", {}), ("ddp_static_graph", {"static_graph": True}),
                           ("ddp_find_unused", {"find_unused_parameters": True})):
-        model = DDP(_checkpointed(state), **kwargs)  # checkpoint first, then wrap with DDP
+        model = DDP(checkpointed(Net(), state), **kwargs)  # checkpoint first, then wrap with DDP
         results[label] = _train(model, rank, world, ddp_gather)
 
     def fsdp_gather(model):
@@ -113,7 +113,7 @@ def main(report_path: str) -> None:
 
     # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one (rank 1 of one GPU fails).
     mesh = init_device_mesh("cpu", (world,))
-    model = _checkpointed(state)
+    model = checkpointed(Net(), state)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)  # checkpoint wrapper first, then shard each block, then the root
     fully_shard(model, mesh=mesh)
