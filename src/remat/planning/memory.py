@@ -9,7 +9,7 @@ peak ``Total``, and that peak minus parameters and buffers.
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -53,15 +53,11 @@ def measure_step(step: Callable[[], Any], *tracked: torch.nn.Module | torch.opti
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
+    tracker._mod_tracker = _unhooked_mod_tracker()()
     if tracked:
         tracker.track_external(*tracked)
-    with warnings.catch_warnings():
-        # MemTracker says this in backward for a module it saw in forward that is gone by then (its weak
-        # reference is dead, as on a BERT step): only that module's own attribution is skipped, not the peak.
-        warnings.filterwarnings("ignore", message=r"Module is None\. Skipping (PRE|POST)_BW hook",
-                                category=UserWarning, module=r"torch\.distributed\._tools\.mod_tracker")
-        with tracker:
-            step()
+    with tracker:
+        step()
     snapshots = tracker.get_tracker_snapshot("peak")
     # The busiest device decides the peak (one device in every case remat measures).
     device_snapshot = max(snapshots.values(), key=lambda snap: snap["Total"])
@@ -72,6 +68,23 @@ def measure_step(step: Callable[[], Any], *tracked: torch.nn.Module | torch.opti
         buffers=by_kind.get("BUFFER", 0),
         by_kind=by_kind,
     )
+
+
+@functools.cache
+def _unhooked_mod_tracker() -> type:
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    # Built on first use, as MemTracker is imported: torch.distributed is not imported with remat.
+    class _Unhooked(ModTracker):
+        """ModTracker's state (``is_bw``, ``parents``) without the module hooks that hold input gradients."""
+
+        def __enter__(self) -> _Unhooked:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            return None
+
+    return _Unhooked
 
 
 def profiled_peak(step: Callable[[], Any]) -> int:
