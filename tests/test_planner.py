@@ -1,5 +1,6 @@
 """Profiler and planner: accurate profiles, budgets honoured, exact optimum, fast."""
 
+import copy
 import itertools
 import random
 import re
@@ -32,8 +33,6 @@ def _gpt():
     return model, (tokens,), lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-
-
 def _conv():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.Sequential(*[ConvBlock(16) for _ in range(5)]),
@@ -43,13 +42,39 @@ def _conv():
     return model, (x,), lambda logits: F.cross_entropy(logits, labels)
 
 
-
-
 def _chain():
     torch.manual_seed(0)
     hidden = [64, 512, 128, 1024, 64, 768, 256, 128]
     model = nn.Sequential(nn.Sequential(*[WideBlock(64, h) for h in hidden]), nn.Linear(64, 1))
     return model, (torch.randn(256, 64),), lambda out: out.pow(2).mean()
+
+
+class _MaskedBlock(nn.Module):
+    """Takes a large mask every block shares and none saves, like a Hugging Face attention mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x, mask):
+        return x + self.down(torch.tanh(self.up(x))) + mask
+
+
+class _MaskedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(5))
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape[0], 32).masked_fill(torch.arange(32) > 20, -1.0)
+        for block in self.blocks:
+            x = block(x, mask=mask)
+        return x
+
+
+def _masked():
+    torch.manual_seed(0)
+    return _MaskedModel(), (torch.randn(2048, 32),), lambda out: out.pow(2).mean()
 
 
 def _measure(model, inputs, loss_fn):
@@ -58,22 +83,38 @@ def _measure(model, inputs, loss_fn):
     return result
 
 
-@pytest.mark.parametrize("build", [_gpt, _conv, _chain], ids=["gpt", "conv", "chain"])
-def test_profile_peak_matches_memtracker(build):
-    model, inputs, loss_fn = build()
-    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
-    measured = _measure(model, inputs, loss_fn)
+_BUILDS = {"gpt": _gpt, "conv": _conv, "chain": _chain, "masked": _masked}
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """``profiled(name)``: a model, its inputs and loss, and its profile (one timing round: no test here asserts
+    a time), made once per module; the tests plan, apply and measure on deep copies of the model."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model, inputs, loss_fn = _BUILDS[name]()
+            made[name] = model, inputs, loss_fn, remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["gpt", "conv", "chain"])
+def test_profile_peak_matches_memtracker(profiled, name):
+    model, inputs, loss_fn, prof = profiled(name)
+    measured = _measure(copy.deepcopy(model), inputs, loss_fn)
     assert abs(prof.peak_bytes - measured.peak_total) <= 0.01 * measured.peak_total
     assert abs(prof.peak_above_params - measured.peak_above_params) <= 0.01 * measured.peak_above_params
     assert all(row.act_bytes > 0 and row.forward_time > 0 for row in prof.rows)
     assert "activations" in str(prof) and prof.to_dict()["rows"]
 
 
-@pytest.mark.parametrize("build", [_gpt, _chain], ids=["gpt", "chain"])
+@pytest.mark.parametrize("name", ["gpt", "chain"])
 @pytest.mark.parametrize("fraction", [0.2, 0.35, 0.5, 0.75, 1.0])
-def test_plans_are_honoured_or_reported_infeasible(build, fraction):
-    model, inputs, loss_fn = build()
-    prof = remat.profile(model, *inputs, loss_fn=loss_fn)
+def test_plans_are_honoured_or_reported_infeasible(profiled, name, fraction):
+    model, inputs, loss_fn, prof = profiled(name)
     try:
         plan = plan_from_profile(prof, fraction)
     except InfeasibleBudget as error:
@@ -81,8 +122,7 @@ def test_plans_are_honoured_or_reported_infeasible(build, fraction):
         assert "smallest peak any plan reaches" in str(error)
         assert plan_from_profile(prof, error.smallest).predicted_peak <= error.smallest
         return
-    plan.apply(model)
-    measured = _measure(model, inputs, loss_fn)
+    measured = _measure(plan.apply(copy.deepcopy(model)), inputs, loss_fn)
     above_budget = plan.budget - plan.param_bytes
     assert measured.peak_above_params <= 1.05 * above_budget, (measured.peak_above_params, above_budget)
     assert measured.peak_total <= 1.05 * plan.budget
@@ -183,11 +223,11 @@ def test_plan_is_the_exhaustive_optimum_and_beats_every_k(seed):
                 assert plan.predicted_extra_time <= uniform_cost + n * 2.0**-33
 
 
-def test_two_hundred_modules_plan_within_budget():
-    # How long this takes is measured by benchmarks/planner.py, not asserted here.
-    prof = _synthetic(200, seed=7, shared=3)
+def test_a_hundred_modules_plan_within_budget():
+    # How long this takes is not asserted (a test asserts bytes, never time).
+    prof = _synthetic(100, seed=7, shared=3)
     plan = plan_from_profile(prof, 0.5)
-    assert len(plan.decisions) == 200 and plan.predicted_peak <= plan.budget
+    assert len(plan.decisions) == 100 and plan.predicted_peak <= plan.budget
     assert plan.predicted_peak == predict_peak(prof, list(plan.decisions.values()))
 
 
@@ -238,7 +278,7 @@ import torch, torch.nn.functional as F
 import remat
 from remat.models import GPT, GPTConfig
 from remat.planning.solver import plan_from_profile
-cfg = GPTConfig(vocab_size=50257, seq_len=4096, d_model=8192, n_heads=64, n_layers=48)
+cfg = GPTConfig(vocab_size=50257, seq_len=2048, d_model=24576, n_heads=96, n_layers=6)
 with torch.device("meta"):
     model = GPT(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len))
@@ -258,7 +298,7 @@ def test_meta_profiling_of_a_model_far_too_large_to_allocate():
     out = subprocess.run([sys.executable, "-c", _HUGE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     rows, params, peak, planned, block_time, max_rss_kib = out.stdout.split()
-    assert int(rows) == 48 and int(params) > 100 * 2**30  # ~147 GiB of parameters, never allocated
+    assert int(rows) == 6 and int(params) > 100 * 2**30  # ~171 GiB of parameters, never allocated
     assert int(peak) > int(params) and int(planned) <= 640 * 2**30
     assert float(block_time) > 0  # estimated from FLOPs
     assert int(max_rss_kib) < 3 * 2**20  # its speed is measured by benchmarks/planner.py
@@ -321,40 +361,9 @@ def test_profiling_without_a_loss_warns_once_that_the_output_is_summed():
         remat.profile(model, x, loss_fn=lambda out: out.pow(2).mean(), repeats=1, ops=False)
 
 
-class _MaskedBlock(nn.Module):
-    """Takes a large mask every block shares and none saves, like a Hugging Face attention mask."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
-
-    def forward(self, x, mask):
-        return x + self.down(torch.tanh(self.up(x))) + mask
-
-
-class _MaskedModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(_MaskedBlock() for _ in range(5))
-
-    def forward(self, x):
-        mask = torch.zeros(x.shape[0], 32).masked_fill(torch.arange(32) > 20, -1.0)
-        for block in self.blocks:
-            x = block(x, mask=mask)
-        return x
-
-
-def _masked():
-    torch.manual_seed(0)
-    return _MaskedModel(), (torch.randn(2048, 32),), lambda out: out.pow(2).mean()
-
-
-@pytest.mark.parametrize("build", [_gpt, _conv, _masked], ids=["gpt", "conv-shared-outputs", "shared-mask"])
-def test_predictions_hold_for_every_option_pattern(build):
-    import copy
-
-    model, inputs, loss_fn = build()
-    prof = remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
+@pytest.mark.parametrize("name", ["gpt", "conv", "masked"], ids=["gpt", "conv-shared-outputs", "shared-mask"])
+def test_predictions_hold_for_every_option_pattern(profiled, name):
+    model, inputs, loss_fn, prof = profiled(name)
     names = [row.name for row in prof.rows]
     n = len(names)
     patterns = [["keep"] * n, ["checkpoint"] * n, ["checkpoint"] + ["keep"] * (n - 1), ["keep"] * (n - 1) +
@@ -372,9 +381,8 @@ def test_predictions_hold_for_every_option_pattern(build):
         assert -0.01 * measured <= predicted - measured <= over * measured, (decisions, predicted, measured)
 
 
-def test_a_mask_every_block_takes_is_counted_once():
-    model, inputs, loss_fn = _masked()
-    prof = remat.profile(model, *inputs, loss_fn=loss_fn, repeats=1)
+def test_a_mask_every_block_takes_is_counted_once(profiled):
+    prof = profiled("masked")[3]
     (mask,) = [s for s in prof.shared if s.input_of == [0, 1, 2, 3, 4]]
     assert mask.nbytes == 2048 * 32 * 4 and not mask.saved_by and not mask.outside
 
