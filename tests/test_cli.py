@@ -1,9 +1,18 @@
-"""The remat command, end to end in subprocesses: output, plots, and one-line errors."""
+"""The remat command, end to end: output, plots, and one-line errors.
 
+The commands run in this process (``remat.tools.cli.main``, output captured as a terminal-less process's would
+be); ``test_the_command_as_its_own_process_*`` and ``test_help_and_argument_errors_answer_without_importing_torch``
+run ``python -m remat`` and the entry point in fresh interpreters."""
+
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import warnings
+from dataclasses import dataclass
 
 import pytest
 
@@ -49,9 +58,49 @@ USER_MODULE = textwrap.dedent('''
 ''')
 
 
-def remat_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+@dataclass
+class Finished:
+    """What a command left: its exit status and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+# The warning filters a fresh interpreter starts with: a warning the command lets through reaches its stderr as
+# it would a user's terminal, whatever filters the test run has set.
+_INTERPRETER_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, None),
+                        ("ignore", PendingDeprecationWarning, None), ("ignore", ImportWarning, None),
+                        ("ignore", ResourceWarning, None)]
+
+
+def _to_stderr(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def remat_cli(*args: str, cwd=None) -> Finished:
+    """Run ``remat ARGS`` in this process, in the folder ``cwd`` if given; the modules it imported from that
+    folder are forgotten after, as another test's folder holds modules of the same names."""
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    folder = os.path.abspath(cwd) if cwd is not None else None
+    os.chdir(folder or here)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()
+            for action, category, module in reversed(_INTERPRETER_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module or "")
+            warnings.showwarning = _to_stderr
+            try:
+                code = main(list(args))
+            except SystemExit as stop:  # argparse: --help, and its argument errors
+                code = stop.code
+    finally:
+        os.chdir(here)
+        for name, module in list(sys.modules.items()):
+            if folder and str(getattr(module, "__file__", None) or "").startswith(folder + os.sep):
+                del sys.modules[name]
+    return Finished(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture()
@@ -146,9 +195,20 @@ def test_an_impossible_fraction_is_explained_in_the_users_terms(user_module):
     assert "of the unplanned peak" in line
 
 
-def test_debug_shows_the_traceback(user_module):
-    out = remat_cli("profile", "usermodel:broken", "--input-shape", "2,16", "--debug", cwd=user_module)
-    assert out.returncode != 0 and "Traceback" in out.stderr
+def test_debug_raises_the_error_itself(user_module, monkeypatch):
+    monkeypatch.chdir(user_module)
+    with pytest.raises(Exception, match="raised RuntimeError: no weights here") as raised:
+        main(["profile", "usermodel:broken", "--input-shape", "2,16", "--debug"])
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    sys.modules.pop("usermodel", None)
+
+
+def test_the_command_as_its_own_process_exits_2_with_one_line(user_module):
+    out = subprocess.run([sys.executable, "-m", "remat", "profile", "usermodel:broken", "--input-shape", "2,16"],
+                         capture_output=True, text=True, timeout=300, cwd=user_module)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == ["remat profile: error: the factory 'usermodel:broken' raised RuntimeError: "
+                                       "no weights here"]
 
 
 @pytest.mark.parametrize("command", ["demo", "profile", "plan", "bench"])
