@@ -1,9 +1,13 @@
-"""Small models and gradient helpers shared by the tests."""
+"""Small models, gradient helpers and the remat command run in this process, shared by the tests."""
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -120,3 +124,50 @@ def leave_process_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@dataclass
+class Finished:
+    """What a command left: its exit status and what it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+# The warning filters a fresh interpreter starts with: a warning the command lets through reaches its stderr as
+# it would a user's terminal, whatever filters the test run has set.
+_INTERPRETER_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, None),
+                        ("ignore", PendingDeprecationWarning, None), ("ignore", ImportWarning, None),
+                        ("ignore", ResourceWarning, None)]
+
+
+def _to_stderr(message, category, filename, lineno, file=None, line=None):
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def remat_cli(*args: str, cwd=None) -> Finished:
+    """Run ``remat ARGS`` in this process, in the folder ``cwd`` if given; the modules it imported from that
+    folder are forgotten after, as another test's folder holds modules of the same names."""
+    from remat.tools.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    folder = os.path.abspath(cwd) if cwd is not None else None
+    os.chdir(folder or here)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()
+            for action, category, module in reversed(_INTERPRETER_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module or "")
+            warnings.showwarning = _to_stderr
+            try:
+                code = main(list(args))
+            except SystemExit as stop:  # argparse: --help, and its argument errors
+                code = stop.code
+    finally:
+        os.chdir(here)
+        for name, module in list(sys.modules.items()):
+            if folder and str(getattr(module, "__file__", None) or "").startswith(folder + os.sep):
+                del sys.modules[name]
+    return Finished(code, out.getvalue(), err.getvalue())

@@ -10,13 +10,11 @@ import copy
 import itertools
 import json
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from helpers import assert_bitwise
+from helpers import assert_bitwise, remat_cli
 from torch import nn
 
 import remat
@@ -403,14 +401,11 @@ def test_the_command_line_plans_a_sequential_and_names_modules_as_it_spells_them
             return nn.Linear(32, 32)
     '''))
 
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "remat", *args], capture_output=True, text=True, timeout=300,
-                              cwd=tmp_path)
-
-    out = run("plan", "layers:mlp", "--input-shape", "256,32", "--budget", "70%", "--allow", "checkpoint")
+    out = remat_cli("plan", "layers:mlp", "--input-shape", "256,32", "--budget", "70%", "--allow", "checkpoint",
+                    cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "segment" in out.stdout and "Predicted peak" in out.stdout
-    out = run("plan", "layers:single", "--input-shape", "256,32", "--budget", "50%")
+    out = remat_cli("plan", "layers:single", "--input-shape", "256,32", "--budget", "50%", cwd=tmp_path)
     assert out.returncode == 2 and "--modules NAME" in out.stderr and "modules=[" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 

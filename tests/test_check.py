@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cli import USER_MODULE, remat_cli
+from helpers import remat_cli
+from test_cli import USER_MODULE
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch

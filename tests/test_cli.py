@@ -4,17 +4,13 @@ The commands run in this process (``remat.tools.cli.main``, output captured as a
 be); ``test_the_command_as_its_own_process_*`` and ``test_help_and_argument_errors_answer_without_importing_torch``
 run ``python -m remat`` and the entry point in fresh interpreters."""
 
-import contextlib
-import io
 import json
-import os
 import subprocess
 import sys
 import textwrap
-import warnings
-from dataclasses import dataclass
 
 import pytest
+from helpers import remat_cli
 
 from remat.models import GPTConfig
 from remat.planning.options import ALLOWED, DEFAULT_ALLOW
@@ -56,51 +52,6 @@ USER_MODULE = textwrap.dedent('''
         def forward(self, x, mask):
             return self.blocks(x * mask)
 ''')
-
-
-@dataclass
-class Finished:
-    """What a command left: its exit status and what it printed."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-# The warning filters a fresh interpreter starts with: a warning the command lets through reaches its stderr as
-# it would a user's terminal, whatever filters the test run has set.
-_INTERPRETER_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, None),
-                        ("ignore", PendingDeprecationWarning, None), ("ignore", ImportWarning, None),
-                        ("ignore", ResourceWarning, None)]
-
-
-def _to_stderr(message, category, filename, lineno, file=None, line=None):
-    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-
-def remat_cli(*args: str, cwd=None) -> Finished:
-    """Run ``remat ARGS`` in this process, in the folder ``cwd`` if given; the modules it imported from that
-    folder are forgotten after, as another test's folder holds modules of the same names."""
-    out, err = io.StringIO(), io.StringIO()
-    here = os.getcwd()
-    folder = os.path.abspath(cwd) if cwd is not None else None
-    os.chdir(folder or here)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            warnings.resetwarnings()
-            for action, category, module in reversed(_INTERPRETER_FILTERS):
-                warnings.filterwarnings(action, category=category, module=module or "")
-            warnings.showwarning = _to_stderr
-            try:
-                code = main(list(args))
-            except SystemExit as stop:  # argparse: --help, and its argument errors
-                code = stop.code
-    finally:
-        os.chdir(here)
-        for name, module in list(sys.modules.items()):
-            if folder and str(getattr(module, "__file__", None) or "").startswith(folder + os.sep):
-                del sys.modules[name]
-    return Finished(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture()
