@@ -12,13 +12,11 @@ import textwrap
 import pytest
 from helpers import remat_cli
 
-from remat.models import GPTConfig
 from remat.planning.options import ALLOWED, DEFAULT_ALLOW
 from remat.planning.units import parse_budget
+from remat.tools import demo
 from remat.tools.cli import _ALLOW, _ALLOWED, main
 from remat.tools.demo import run_demo
-
-SMALL = ["--layers", "2", "--steps", "2", "--seq-len", "32", "--d-model", "32", "--heads", "2", "--batch-size", "4"]
 
 USER_MODULE = textwrap.dedent('''
     import torch
@@ -60,20 +58,18 @@ def user_module(tmp_path):
     return tmp_path
 
 
-def test_demo_modes_agree_bitwise_and_save_memory():
-    cfg = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64)
-    results, prof, plan = run_demo(cfg, 4, steps=2, budget=0.6)
-    plain = results[0]
-    assert [r.name for r in results] == ["no checkpointing", "every block", "save_matmuls", "plan at 60%"]
-    for r in results[1:]:
-        assert r.max_loss_diff(plain) == 0.0 and r.max_grad_diff(plain) == 0.0, r.name
-    assert results[1].peak_above_params < plain.peak_above_params
-    assert results[3].peak_above_params <= 1.05 * 0.6 * prof.peak_above_params
+def test_demo_command_prints_the_table_writes_a_png_and_its_modes_agree_bitwise(tmp_path, monkeypatch):
+    """One run of the command; what it printed, plotted, and the results it printed them from."""
+    made = []
 
+    def recorded(*args, **kwargs):
+        made.append(run_demo(*args, **kwargs))
+        return made[-1]
 
-def test_demo_command_prints_the_table_and_writes_a_png(tmp_path):
+    monkeypatch.setattr(demo, "run_demo", recorded)
     png = tmp_path / "demo.png"
-    out = remat_cli("demo", *SMALL, "--plot", str(png))
+    out = remat_cli("demo", "--layers", "3", "--steps", "2", "--seq-len", "32", "--d-model", "32", "--heads", "2",
+                    "--batch-size", "4", "--vocab-size", "64", "--budget", "60%", "--plot", str(png))
     assert out.returncode == 0, out.stderr
     for header in ("peak above params", "whole peak", "step time", "overhead", "max |Δloss|", "max |Δgrad|",
                    "every block", "save_matmuls", "plan at"):
@@ -82,6 +78,13 @@ def test_demo_command_prints_the_table_and_writes_a_png(tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(png).shape[0] > 100
+    ((results, prof, _),) = made
+    plain = results[0]
+    assert [r.name for r in results] == ["no checkpointing", "every block", "save_matmuls", "plan at 60%"]
+    for r in results[1:]:
+        assert r.max_loss_diff(plain) == 0.0 and r.max_grad_diff(plain) == 0.0, r.name
+    assert results[1].peak_above_params < plain.peak_above_params
+    assert results[3].peak_above_params <= 1.05 * 0.6 * prof.peak_above_params
 
 
 def test_profile_and_plan_commands_on_a_user_model(user_module, tmp_path):
