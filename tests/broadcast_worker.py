@@ -1,14 +1,13 @@
-"""Run under torchrun (gloo): every rank makes its own plan, then takes rank 0's with remat.broadcast_plan.
+"""A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): every rank makes its own plan, then takes
+rank 0's with remat.broadcast_plan.
 
-Rank 0 writes what each rank ended with (gathered) to the JSON path given as the first argument.
+Rank 0 writes what each rank ended with (gathered) to the JSON path :func:`run` is given.
 """
 
 import json
-import sys
 
 import torch
 import torch.distributed as dist
-from helpers import leave_process_group
 from torch import nn
 
 import remat
@@ -33,8 +32,7 @@ def _own_plan(rank):
     return plan
 
 
-def main(report_path):
-    dist.init_process_group("gloo")
+def run(report_path):
     rank = dist.get_rank()
     plan = broadcast_plan(_own_plan(0) if rank == 0 else None)  # only rank 0 plans
     again = broadcast_plan(_own_plan(rank))  # every rank plans, and takes rank 0's
@@ -46,8 +44,3 @@ def main(report_path):
     if rank == 0:
         with open(report_path, "w") as f:
             json.dump(gathered, f)
-    leave_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -52,3 +52,14 @@ def own_timings_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))
     for name, value in _MACHINE_FREE.items():
         monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="session")
+def two_rank_reports(tmp_path_factory):
+    """The checks that run under torchrun as two CPU ranks, all in one launch (tests/two_ranks.py): the finished
+    run, and each check's report path by its module's name."""
+    from helpers import run_two_ranks
+
+    folder = tmp_path_factory.mktemp("two-ranks")
+    reports = {name: folder / f"{name}.json" for name in ("dist_worker", "dist_chunked_worker", "broadcast_worker")}
+    return run_two_ranks("two_ranks.py", *(f"{name}={path}" for name, path in reports.items())), reports

@@ -1,11 +1,10 @@
-"""Run under torchrun (gloo): train two steps of a model whose loss is remat.chunked_lm_loss under DDP / FSDP2.
+"""A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): train two steps of a model whose loss is
+remat.chunked_lm_loss under DDP / FSDP2.
 
 The model's layers are checkpointed and its output layer and loss run in three chunks.  Every rank checks its
 gathered gradients against single-process plain autograd (the unchunked head and loss) on the global batch;
-rank 0 writes the largest differences as JSON to the path given as the first argument.
+rank 0 writes the largest differences as JSON to the path :func:`run` is given.
 """
-
-import sys
 
 import torch
 import torch.distributed as dist
@@ -56,8 +55,7 @@ def _train(model, rank, world, gather):
     return grads
 
 
-def main(report_path: str) -> None:
-    dist.init_process_group("gloo")
+def run(report_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     state = LM().state_dict()
@@ -74,7 +72,3 @@ def main(report_path: str) -> None:
     results["fsdp2"] = _train(model, rank, world, lambda m: {n: p.grad.full_tensor().clone()
                                                               for n, p in unwrapped_names(m).items()})
     write_report(report_path, rank, expected, results)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

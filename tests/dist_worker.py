@@ -1,15 +1,14 @@
-"""Run under torchrun (gloo): train two steps of a checkpointed model under DDP / FSDP2.
+"""A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): train two steps of a checkpointed model
+under DDP / FSDP2.
 
 Every rank checks its gathered gradients against single-process plain autograd on the global batch and
-rank 0 writes a JSON report to the path given as the first argument.
+rank 0 writes a JSON report to the path :func:`run` is given.
 """
 
 import json
-import sys
 
 import torch
 import torch.distributed as dist
-from helpers import leave_process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -92,8 +91,7 @@ def checkpointed(model, state):
     return model
 
 
-def main(report_path: str) -> None:
-    dist.init_process_group("gloo")
+def run(report_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     state = Net().state_dict()
@@ -123,7 +121,7 @@ def main(report_path: str) -> None:
 
 
 def write_report(report_path: str, rank: int, expected: list[dict], results: dict[str, list[dict]]) -> None:
-    """Rank 0 writes, per run, the largest difference from ``expected`` over its steps; every rank then leaves."""
+    """Rank 0 writes, per run, the largest difference from ``expected`` over its steps."""
     report = {}
     for label, steps in results.items():
         worst = 0.0
@@ -134,8 +132,3 @@ def write_report(report_path: str, rank: int, expected: list[dict], results: dic
     if rank == 0:
         with open(report_path, "w") as f:
             json.dump(report, f)
-    leave_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
