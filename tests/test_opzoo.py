@@ -50,15 +50,6 @@ def _case_and_profile(name):
     return _cache[name]
 
 
-@pytest.fixture(autouse=True)
-def _collect_only_what_the_test_makes():
-    """``gc.collect()`` in :func:`_held` walks only the objects made since the test began: the session's earlier
-    ones (libraries, other tests' models) are set aside, which would otherwise take most of the test's time."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _points(graph):
     front = block_front(graph)
     near = min(front, key=lambda p: abs(p.kept_bytes - 0.75 * graph.keep_all_bytes))
