@@ -14,7 +14,6 @@ import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planning.check import PlanCheck, StepCheck
 from remat.planning.overheads import Overheads
-from remat.tools.cli import main
 
 CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dropout=0.1)
 
@@ -157,14 +156,14 @@ def test_the_check_command_prints_the_table_and_a_verdict(planned_user_module):
     assert last.startswith("the plan holds: 2 sgd steps peaked within 3% of the predicted"), out.stdout
 
 
-def test_the_check_command_exits_1_when_the_plan_does_not_hold(planned_user_module, tmp_path, monkeypatch, capsys):
+def test_the_check_command_exits_1_when_the_plan_does_not_hold(planned_user_module, tmp_path):
     data = json.loads((planned_user_module / "plan.json").read_text())
     data["predicted_peak"] = data["param_bytes"] + int(0.7 * (data["predicted_peak"] - data["param_bytes"]))
     (tmp_path / "wrong.json").write_text(json.dumps(data))
-    monkeypatch.chdir(planned_user_module)
-    assert main(["check", "usermodel:build", "--plan", str(tmp_path / "wrong.json"), "--input-shape", "512,16",
-                 "--steps", "1"]) == 1
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("the plan does not hold: step 1 peaked off")
+    out = remat_cli("check", "usermodel:build", "--plan", str(tmp_path / "wrong.json"), "--input-shape", "512,16",
+                    "--steps", "1", cwd=planned_user_module)
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.strip().splitlines()[-1].startswith("the plan does not hold: step 1 peaked off")
 
 
 def test_a_missing_plan_file_is_one_line_and_exit_2(planned_user_module):
