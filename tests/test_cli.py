@@ -1,10 +1,12 @@
 """The remat command, end to end: output, plots, and one-line errors.
 
 The commands run in this process (``remat.tools.cli.main``, output captured as a terminal-less process's would
-be); ``test_the_command_as_its_own_process_*`` and ``test_help_and_argument_errors_answer_without_importing_torch``
-run ``python -m remat`` and the entry point in fresh interpreters."""
+be); ``test_the_command_as_its_own_process_*`` runs ``python -m remat`` in a fresh interpreter (its exit status
+and stderr), ``test_help_and_argument_errors_answer_without_importing_torch`` the command's first steps in one
+(the ``remat`` script itself is run by .ci/run's ``remat demo``)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import textwrap
 import pytest
 from helpers import remat_cli
 
+import remat
 from remat.planning.options import ALLOWED, DEFAULT_ALLOW
 from remat.planning.units import parse_budget
 from remat.tools import demo
@@ -158,8 +161,10 @@ def test_debug_raises_the_error_itself(user_module, monkeypatch):
 
 
 def test_the_command_as_its_own_process_exits_2_with_one_line(user_module):
+    here = os.path.dirname(os.path.dirname(remat.__file__))  # the remat this test imported, from any folder
     out = subprocess.run([sys.executable, "-m", "remat", "profile", "usermodel:broken", "--input-shape", "2,16"],
-                         capture_output=True, text=True, timeout=300, cwd=user_module)
+                         capture_output=True, text=True, timeout=300, cwd=user_module,
+                         env={**os.environ, "PYTHONPATH": here})
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.splitlines() == ["remat profile: error: the factory 'usermodel:broken' raised RuntimeError: "
                                        "no weights here"]
