@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from fuzz_models import FuzzCase
 
 import remat
@@ -30,10 +31,15 @@ from remat.planning.plan import Plan
 from remat.planning.profile import StepProfile
 from remat.planning.solver import InfeasibleBudget, plan_of
 
-__all__ = ["BUDGETS", "CaseResult", "PlanResult", "assignment_plan", "check_case", "random_assignment"]
+__all__ = ["BUDGETS", "ROW_BYTES", "CaseResult", "PlanResult", "assignment_plan", "check_case", "meta_difference",
+           "random_assignment"]
 
 BUDGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 """The grid of budgets, as fractions of the unplanned peak above parameters."""
+
+ROW_BYTES = ("act_bytes", "own_bytes", "held_bytes", "recompute_bytes", "input_bytes", "output_bytes", "matmul_bytes",
+             "forward_start", "forward_peak", "save_peak", "unsaved_held_bytes")
+"""The bytes of a profile's row that a meta profile must match to the byte."""
 
 
 @dataclass
@@ -149,6 +155,33 @@ def assignment_plan(prof: StepProfile, chosen: Sequence[BlockOption]) -> Plan:
         placed.append((p, option))
         p += option.span
     return plan_of(prof, placed, 4 * prof.peak_bytes)
+
+
+def meta_difference(case: FuzzCase) -> str:
+    """Where ``case``'s profile on the meta device differs from its profile on the CPU, in bytes ("" where every
+    segment's peak and start, every row's bytes and the step's peak and gradients are equal).
+
+    Example:
+        >>> meta_difference(make_case(7))
+        ''
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        on_cpu = remat.profile(case.build(), case.inputs, loss_fn=case.loss_fn, repeats=1, ops=False)
+        with torch.device("meta"):
+            model = case.build()
+        on_meta = remat.profile(model, torch.empty_like(case.inputs, device="meta"), loss_fn=case.loss_fn,
+                                device="meta", ops=False)
+    for cpu, meta in zip(on_cpu.segments, on_meta.segments, strict=True):
+        if (cpu.label, cpu.peak, cpu.start) != (meta.label, meta.peak, meta.start):
+            return f"{cpu.label}: peak {meta.peak - cpu.peak:+,} B, start {meta.start - cpu.start:+,} B on meta"
+    for cpu_row, meta_row in zip(on_cpu.rows, on_meta.rows, strict=True):
+        for name in ROW_BYTES:
+            if getattr(cpu_row, name) != getattr(meta_row, name):
+                return f"{cpu_row.name} ({cpu_row.cls}) {name}: {getattr(meta_row, name) - getattr(cpu_row, name):+,} B"
+    if (on_cpu.peak_bytes, on_cpu.grad_bytes) != (on_meta.peak_bytes, on_meta.grad_bytes):
+        return f"step peak {on_meta.peak_bytes - on_cpu.peak_bytes:+,} B, gradients on meta differ"
+    return ""
 
 
 def _check(case: FuzzCase, label: str, decisions: str, plan: Plan, steps: int) -> PlanResult:

@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .options import DEFAULT_ALLOW, BlockOption, block_options
-from .profile import StepProfile
+from .profile import SharedTensor, StepProfile
 
-__all__ = ["MAX_SPAN", "chain_options", "segment_options", "segment_time", "segment_transient",
+__all__ = ["MAX_SPAN", "chain_options", "passed_on", "segment_options", "segment_time", "segment_transient",
            "sequential_choice"]
 
 MAX_SPAN = 64
@@ -71,6 +71,23 @@ def segment_transient(prof: StepProfile, first: int, last: int) -> int:
 
     top = max([rerun(k, rows[k].forward_peak) for k in range(first, last)] + [rerun(last, rows[last].save_peak)])
     return max(0, top - rows[first].forward_start)
+
+
+def passed_on(prof: StepProfile, shared: SharedTensor) -> int:
+    """From which block's forward on (a prefix of the chain) only the blocks that save or take ``shared`` hold
+    it: ``len(prof.rows) + 1`` (never) unless the blocks that returned it are consecutive children of one plain
+    ``nn.Sequential``, whose loop holds a child's output only until the next child has returned, and no block
+    after that one holds it.
+
+    Example:
+        >>> passed_on(prof, prof.shared[0])  # a ReLU's output the next layer took: let go after that layer
+        4
+    """
+    n, made = len(prof.rows), shared.output_of
+    if not made or shared.outside or max(made) + 1 >= n or max(shared.holders, default=0) > max(made) + 1:
+        return n + 1
+    linked = all(prof.links[j] if j < len(prof.links) else False for j in range(min(made), max(made) + 1))
+    return max(made) + 2 if linked else n + 1
 
 
 def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, list[BlockOption]]:

@@ -35,6 +35,7 @@ from .blockpolicy import BlockPolicy
 from .copies import copy_waits, link_for, prefetch_wait
 from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
+from .prices import forward_spared
 from .profile import ModuleProfile, StepProfile
 
 __all__ = ["BlockOption", "block_options", "selective_options", "step_extra_time"]
@@ -64,6 +65,7 @@ class BlockOption:
     this one, the option runs as one region (a ``segment``, :mod:`remat.planning.chain`); ``kept`` and
     ``transient`` are then the region's.  ``moved``: bytes of the block's inputs that go to host memory until
     its backward (``checkpoint_offload``), whose copies :func:`step_extra_time` prices on the step's timeline.
+    ``spared``: how much less than the plain forward's peak the block's forward holds under the option.
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -82,6 +84,7 @@ class BlockOption:
     in_flight: int = field(default=0, compare=False)
     span: int = 1
     moved: int = field(default=0, compare=False)
+    spared: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that
@@ -121,11 +124,13 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
             per_block.append(choices)
             continue
         if "checkpoint" in allow and row.checkpoint_time != float("inf"):
-            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
+            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True,
+                                       spared=row.forward_spared))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
             # Its recomputation is served the kept matmul outputs it reruns to instead of making them again.
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
-                                       max(0, row.recompute_bytes - row.matmul_spared_bytes), True))
+                                       max(0, row.recompute_bytes - row.matmul_spared_bytes), True,
+                                       spared=row.matmul_forward_spared))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "checkpoint_offload" in allow and on_accelerator and row is not prof.rows[-1]:
             choices += _checkpoint_offload(prof, row, prof.rows[prof.rows.index(row) + 1])
@@ -156,7 +161,8 @@ def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProf
         return []
     wait = prefetch_wait(moved, 2 * after.forward_time, link_for(prof.device))
     return [BlockOption("checkpoint_offload", row.held_bytes - moved, row.checkpoint_time + wait,
-                        row.recompute_bytes, True, copy_time=wait, in_flight=2 * moved, moved=moved)]
+                        row.recompute_bytes, True, copy_time=wait, in_flight=2 * moved, moved=moved,
+                        spared=row.forward_spared)]
 
 
 def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
@@ -220,4 +226,5 @@ def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point
         policy=policy,
         recomputed_ops=point.recomputed_ops,
         copy_time=point.copy_time * scale,
+        spared=forward_spared(graph, {*point.kept, *point.offloaded}),  # offloaded: on the device until copied
     )
