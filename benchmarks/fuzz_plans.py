@@ -49,7 +49,7 @@ def main() -> None:
             row["unprofiled"] += 1
             print(f"cannot profile {result.case}: {result.error}", flush=True)
         else:
-            differs = meta_difference(result.case)
+            differs = meta_difference(result.case, result.profile)
             row["meta differs"] += bool(differs)
             if differs:
                 print(f"{result.case} | meta differs: {differs}", flush=True)

@@ -33,12 +33,12 @@ from ..policies.hostcopy import engine_for
 from ..policies.offload import PREFETCH_DEPTH
 from .blockpolicy import BlockPolicy
 from .copies import copy_waits, link_for, prefetch_wait
-from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
+from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
 from .prices import forward_spared
 from .profile import ModuleProfile, StepProfile
 
-__all__ = ["BlockOption", "block_options", "selective_options", "step_extra_time"]
+__all__ = ["BlockOption", "block_options", "selective_option", "selective_options", "step_extra_time"]
 
 OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload")
 ALLOWED = OPTIONS[1:]
@@ -211,6 +211,16 @@ def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12, offlo
         twins = offload_twins(graph, [front[0], *interior]) if offload else []  # what the host link hides
         options[row.name] = [_option(row, graph, front[0], p) for p in (*interior, *twins)]
     return options
+
+
+def selective_option(row: ModuleProfile, graph: BlockGraph, kept: Sequence[int]) -> BlockOption:
+    """The ``selective`` option of ``row``'s block that keeps the outputs of the ``kept`` nodes of its op graph
+    (any of ``graph.keepable``, not only a front's point), priced and sized as the planner's own.
+
+    Example:
+        >>> option = selective_option(prof.rows[0], prof.ops.blocks[prof.rows[0].name], graph.keepable[:2])
+    """
+    return _option(row, graph, evaluate(graph, "checkpoint"), evaluate(graph, "selective", kept))
 
 
 def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point: FrontPoint) -> BlockOption:
