@@ -33,6 +33,10 @@ does not follow timing noise from one process to the next.
 
 ``save_matmuls`` is the selective point that keeps every matmul-like output (:data:`MATMUL_OPS`).
 
+Bytes come from the same graph: :func:`recompute_peak` is what a recomputation holds above its start, and
+:func:`forward_spared` how much lower than a plain forward a recomputing one peaks (autograd keeps nothing there
+but a policy's kept outputs).
+
 Example:
     >>> prices = BlockPrices(graph)
     >>> prices.time("checkpoint"), prices.time("selective", prices.matmul_nodes())
