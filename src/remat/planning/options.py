@@ -65,7 +65,8 @@ class BlockOption:
     this one, the option runs as one region (a ``segment``, :mod:`remat.planning.chain`); ``kept`` and
     ``transient`` are then the region's.  ``moved``: bytes of the block's inputs that go to host memory until
     its backward (``checkpoint_offload``), whose copies :func:`step_extra_time` prices on the step's timeline.
-    ``spared``: how much less than the plain forward's peak the block's forward holds under the option.
+    ``spared``: how much less than the plain forward's peak the block's forward holds under the option (negative:
+    more, outputs a policy keeps that the plain forward had freed).
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,

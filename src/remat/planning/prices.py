@@ -183,7 +183,8 @@ def forward_spared(graph: BlockGraph, kept: Collection[int] = frozenset()) -> in
     """Bytes a recomputing forward of ``graph``'s block holds less at its peak than a plain forward: autograd
     keeps nothing there, so each storage dies when the block's code is done with it (``StorageLife.dies``), but
     a policy holds the outputs of the ``kept`` nodes until backward, whether autograd would save them or not
-    (a random in-place op's as a copy).
+    (a random in-place op's as a copy): negative where that holds more (a matmul output the next op does not
+    save, kept beside that op's output).
 
     Example:
         >>> forward_spared(graph) >= forward_spared(graph, {graph.keepable[0]})
@@ -198,7 +199,7 @@ def forward_spared(graph: BlockGraph, kept: Collection[int] = frozenset()) -> in
         recomputing[size if s.dies is None or s.producer in kept else s.dies] -= s.nbytes
     for index in kept:
         recomputing[index] += graph.copied_bytes(index)
-    return max(0, _running_peak(plain[:size]) - _running_peak(recomputing[:size]))
+    return _running_peak(plain[:size]) - _running_peak(recomputing[:size])
 
 
 def matmuls(graph: BlockGraph) -> set[int]:

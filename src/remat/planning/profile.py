@@ -70,7 +70,7 @@ class ModuleProfile:
     storages ``kept_by`` it), ``matmul_spared_bytes`` how much less than ``recompute_bytes`` its recomputation
     holds, served the kept outputs it reruns to.  ``forward_spared`` / ``matmul_forward_spared``: how much less
     than the plain forward's peak the block's forward holds checkpointed / under save_matmuls (autograd keeps
-    nothing there, or only the matmul outputs).
+    nothing there; save_matmuls keeps every matmul output, which may hold more: negative).
     """
 
     name: str
