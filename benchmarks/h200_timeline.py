@@ -36,6 +36,7 @@ from pathlib import Path
 
 from remat.planning.copies import Link
 from remat.planning.opgraph import BlockGraph, OpProfile
+from remat.planning.options import DEFAULT_ALLOW
 from remat.planning.overheads import Overheads
 from remat.planning.profile import ModuleProfile, StepProfile
 from remat.planning.rulefront import front
@@ -44,6 +45,7 @@ from remat.planning.timeline import Segment
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200-39275ba.json"
 TARGETS = {"plan 50%": 0.5, "plan 30%": 0.3}
+KEPT_OFFLOAD = ("checkpoint", "checkpoint_offload", "keep_offload")
 
 
 def h200_profile(figures: dict, device: str = "cuda", graph: BlockGraph | None = None) -> tuple[StepProfile, Link]:
@@ -128,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     print(front(prof, budgets=tuple(TARGETS.values())))
     print()
     for label, budget in TARGETS.items():
-        plan = plan_from_profile(prof, budget)
-        print(f"{label}: x{1 + plan.predicted_extra_time / prof.step_time:.3f} at "
-              f"{plan.predicted_peak / prof.peak_bytes:.3f} of plain's peak; {_counts(plan.decisions)}")
+        for allow, how in ((DEFAULT_ALLOW, ""), (KEPT_OFFLOAD, ", checkpoint / kept with offloads only")):
+            plan = plan_from_profile(prof, budget, allow=allow)
+            print(f"{label}{how}: x{1 + plan.predicted_extra_time / prof.step_time:.3f} at "
+                  f"{plan.predicted_peak / prof.peak_bytes:.3f} of plain's peak; {_counts(plan.decisions)}")
     lowest = min(front(prof).plans, key=lambda p: p.peak)
     print(f"lowest plan: x{1 + lowest.extra_time / prof.step_time:.3f} at {lowest.peak / prof.peak_bytes:.3f} "
           f"of plain's peak; {_counts(dict(enumerate(lowest.decisions)))}")

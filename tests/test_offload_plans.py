@@ -217,3 +217,25 @@ def test_a_plan_with_kept_offloads_is_priced_on_the_timeline_and_placed_where_it
     assert step_extra_time(prof, chosen) < priced
     assert predict(prof, chosen)[0] <= predict(prof, adjacent)[0]
     assert sorted(o.name for o in chosen) == sorted(o.name for o in adjacent)
+
+
+def test_what_the_engine_holds_after_a_forward_is_what_the_timeline_says_and_within_the_plans_count(ops):
+    graph = ops.blocks["blocks.0"]
+    prof = _profile(CFG.n_layers, 0.0, graph.keep_all_bytes, graph.input_bytes, ops)
+    limit = 8 << 20  # two or three of the 1-4 MiB tensors
+    option = keep_offload_options(prof, MODELLED_LINK, limit)[0][2]  # the 3 largest tensors of each block
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    fake = FakeDevice(d2h_bytes_per_s=2.0**30)
+    tokens, targets = synthetic_batch(CFG, 8)
+    with use_device_model("cpu", fake) as engine:
+        engine.in_flight_limit = limit
+        apply_block_policies(model, {f"blocks.{i}": option.policy for i in range(CFG.n_layers - 1)})
+        loss = model.loss(tokens, targets)  # the fake device computes in no time: the link alone paces forward
+        held = sum(entry[1] for window in engine._out.values() for entry in window.entries)
+        link = Link(fake.d2h_bytes_per_s, fake.h2d_bytes_per_s)
+        copies = [option.copies] * (CFG.n_layers - 1) + [()]
+        line = simulate([0.0] * CFG.n_layers, [0.0] * CFG.n_layers, copies, link, limit)
+        assert (held, fake.now) == (line.held, pytest.approx(line.forward_wait)) and line.forward_wait > 0
+        assert held <= option.in_flight
+        loss.backward()

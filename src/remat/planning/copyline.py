@@ -133,10 +133,14 @@ def simulate(forward: Sequence[float], recompute: Sequence[float], copies: Seque
             fetched.add(id(m))
             if not m.held and m.ready is None:
                 bring(m)
-            ahead = [p for p in reversed(order[:position[id(m)]]) if id(p) not in fetched][:depth]
-            for p in ahead:
-                if not p.held and p.ready is None:
-                    bring(p)
+            k, seen = position[id(m)] - 1, 0
+            while k >= 0 and seen < depth:  # the next tensors backward needs, those already back among them
+                before = order[k]
+                if id(before) not in fetched:
+                    seen += 1
+                    if not before.held and before.ready is None:
+                        bring(before)
+                k -= 1
             if not m.held and m.ready > now:
                 stalled += m.ready - now
                 now = m.ready

@@ -71,7 +71,7 @@ def keep_offload_options(prof: StepProfile, link: Link, limit: int) -> dict[int,
     found: dict[int, list[BlockOption]] = {}
     for p, row in enumerate(prof.rows[:-1]):
         graph = prof.ops.blocks.get(row.name)
-        if graph is None or row.writes_input:
+        if graph is None:
             continue
         candidates = offload_candidates(graph)
         levels = sorted({min(k, len(candidates)) for k in LEVELS if candidates})
