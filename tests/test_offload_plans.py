@@ -239,3 +239,16 @@ def test_what_the_engine_holds_after_a_forward_is_what_the_timeline_says_and_wit
         assert (held, fake.now) == (line.held, pytest.approx(line.forward_wait)) and line.forward_wait > 0
         assert held <= option.in_flight
         loss.backward()
+
+
+def test_a_kept_block_with_offloads_under_compile_breaks_the_graph_and_keeps_gradients(ops):
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    model = _offloading(plain, _policy(ops, 2))
+    tokens, targets = synthetic_batch(CFG, 8)
+    params = list(plain.parameters())
+    expected = torch.autograd.grad(plain.loss(tokens, targets), params)
+    compiled = torch.compile(model.loss, backend="aot_eager")
+    got = torch.autograd.grad(compiled(tokens, targets), list(model.parameters()))
+    assert_bitwise(expected, got)
+    assert model.blocks[0].offloader.stats.offloaded_bytes > 0  # the wrapped blocks ran eagerly, offloading

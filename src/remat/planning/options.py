@@ -167,6 +167,9 @@ def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
     """Extra seconds of ``chosen`` (one option per run of blocks, in order): the options' prices, with the copies
     back of the inputs ``checkpoint_offload`` moves priced on the step's timeline (:func:`copy_waits`: each
     behind the backward, recomputation included, that the plan runs before its block's) instead of each alone.
+    Where a kept block moves saved tensors (``keep_offload``), every copy of the plan is priced tensor by tensor
+    as the copy engine runs them (:func:`~remat.planning.copyline.simulate`): its window, what stays on the
+    device into backward, its prefetch.
 
     Example:
         >>> step_extra_time(prof, [keep, checkpoint_offload, checkpoint])
