@@ -252,3 +252,39 @@ def test_a_kept_block_with_offloads_under_compile_breaks_the_graph_and_keeps_gra
     got = torch.autograd.grad(compiled(tokens, targets), list(model.parameters()))
     assert_bitwise(expected, got)
     assert model.blocks[0].offloader.stats.offloaded_bytes > 0  # the wrapped blocks ran eagerly, offloading
+
+
+def test_the_h200_simulation_with_op_graphs_is_calibrated_and_weighs_kept_offloads():
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from remat.planning.chain import chain_options
+    from remat.planning.fronts import evaluate
+    from remat.policies.rules import MATMUL_OPS
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "h200_timeline.py"
+    spec = importlib.util.spec_from_file_location("h200_timeline_ops", path)
+    h200 = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = h200
+    try:
+        spec.loader.exec_module(h200)
+        figures = json.loads(h200.RESULTS.read_text())
+        prof, _ = h200.h200_profile(figures, graph=h200.meta_graph(figures))
+    finally:
+        del sys.modules[spec.name]
+    rows = {row["key"]: row for row in figures["rows"]}
+    graph = prof.ops.blocks["model.layers.0"]
+    layer = prof.rows[0].forward_time
+    assert sum(n.kernel_time for n in graph.nodes) == pytest.approx(layer)
+    # keeping the matmuls' and attention's outputs costs what save_matmuls measured per layer on the H200
+    kept = [i for i in graph.keepable if graph.nodes[i].op in {str(op) for op in MATMUL_OPS}]
+    price = evaluate(graph, "selective", kept).extra_time * layer / evaluate(graph, "checkpoint").extra_time
+    measured = (rows["remat-save-matmuls"]["median_ms"] - rows["plain"]["median_ms"]) / 1e3 / 12
+    assert price == pytest.approx(measured, rel=1e-6)
+    # the layer's largest saved tensors are the MLP's (4 x 2048 x 5632 bf16: 88 MiB), offered on all layers but the last
+    options = chain_options(prof)
+    levels = [[o for o in choices if o.name == "keep_offload"] for choices in options]
+    assert all(levels[:-1]) and not levels[-1]
+    assert levels[0][0].copies[0].nbytes == 4 * 2048 * 5632 * 2

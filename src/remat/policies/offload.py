@@ -168,20 +168,20 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         self.stats = OffloadStats()
         self._skip = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
         self.outputs_of = None if outputs_of is None else {op: frozenset(calls) for op, calls in outputs_of.items()}
-        self._marker: _MarkOutputs | None = None
+        self._markers: list[_MarkOutputs] = []  # one per entry: a block run inside its own forward counts apart
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> offload:
         super().__enter__()
         if self.outputs_of is not None:
-            self._marker = _MarkOutputs(self.outputs_of)
-            self._marker.__enter__()
+            marker = _MarkOutputs(self.outputs_of)
+            marker.__enter__()
+            self._markers.append(marker)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        marker, self._marker = self._marker, None
-        if marker is not None:
-            marker.__exit__(*exc)
+        if self.outputs_of is not None:
+            self._markers.pop().__exit__(*exc)
         super().__exit__(*exc)
 
     @property
@@ -193,7 +193,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         if self.engine is None or tensor.device.type != self.device_type:
             return False
         if self.outputs_of is not None:  # the chosen ops' outputs only (never a parameter or an input)
-            return self._marker is not None and tensor.untyped_storage() in self._marker.made
+            return bool(self._markers) and tensor.untyped_storage() in self._markers[-1].made
         return (
             not _owned_by_a_leaf(tensor)
             and tensor.numel() * tensor.element_size() >= self.min_bytes
