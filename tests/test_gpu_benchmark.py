@@ -133,3 +133,21 @@ def test_quick_means_fewer_rounds_and_no_compiled_rows(gpu_benchmark):
     assert (args.hidden, args.layers) == (2048, 12)
     args = gpu_benchmark.parse(["--quick", "--model", "gpt2", "--rounds", "5"])
     assert (args.rounds, args.hidden, args.layers, args.batch, args.seq) == (5, 1024, 16, 8, 1024)
+
+
+def test_the_compiled_front_says_where_remat_is_left_of_torch_compiles_budget(gpu_benchmark):
+    """Each of torch.compile's budgets beside remat's plan compiled at the peak that budget reached: remat's
+    point dominates only when it is as fast and as small (both measured)."""
+    def entry(key, ms, peak):
+        return {"key": key, "median_ms": ms, "peak": peak}
+
+    table = gpu_benchmark._compiled_front([
+        entry("compiled-plain", 70.0, 8 << 30), entry("compiled-match-1", 69.0, 7 << 30),
+        entry("compiled-budget-0.5", 80.0, 6 << 30), entry("compiled-match-0.5", 82.0, 5 << 30),
+        entry("compiled-budget-0.3", 90.0, 6 << 30),  # no remat row: left out
+    ])
+    rows = [line for line in table.splitlines()[2:]]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "0.5"]
+    assert [row.split("|")[-2].strip() for row in rows] == ["yes", "no"]
+    assert gpu_benchmark.select(["compiled-match-*"], compile_rows=True)[1:] == [
+        "compiled-match-1", "compiled-match-0.7", "compiled-match-0.5", "compiled-match-0.3"]
