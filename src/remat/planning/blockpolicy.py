@@ -181,6 +181,7 @@ class BlockPolicy:
 
         Example:
             >>> wrapped = BlockPolicy("checkpoint").wrap(model.blocks[0])
+            >>> moving = BlockPolicy("keep", [OpDecision("aten.mm.default", 4, 88 << 20, "offload")]).wrap(layer)
         """
         if self.mode == "keep":
             if not any(d.decision == "offload" for d in self.decisions):
@@ -222,7 +223,8 @@ class BlockPolicy:
         return isinstance(other, BlockPolicy) and self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        return f"<BlockPolicy {self.mode}: {len(self.kept)} kept op outputs, {format_bytes(self.kept_bytes)}>"
+        moved = f", {format_bytes(self.offloaded_bytes)} offloaded" if self.offloaded_bytes else ""
+        return f"<BlockPolicy {self.mode}: {len(self.kept)} kept op outputs, {format_bytes(self.kept_bytes)}{moved}>"
 
     def __str__(self) -> str:
         lines = [f"{self.mode}: keeps {len(self.kept)} op outputs ({format_bytes(self.kept_bytes)})"]

@@ -568,14 +568,15 @@ def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[Bloc
                          placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
     """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
     much time and less memory: the search merges states of many shared storages on the safe side and breaks
-    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model."""
+    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model.  Then
+    placed among alike blocks where the copy timeline prices it cheaper (:mod:`remat.planning.placement`)."""
     accounting = _Accounting(prof)
     candidates = [] if placed is None else [placed]
     for rule in rules(options):
         if _peak(prof, rule.chosen, accounting) <= budget:
             candidates.append(list(enumerate(rule.chosen)))
     best = min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
-                                                        _peak(prof, [o for _, o in c], accounting)))
+                                                      _peak(prof, [o for _, o in c], accounting)))
     return cheaper_placement(prof, best, lambda chosen: _peak(prof, chosen, accounting))
 
 
