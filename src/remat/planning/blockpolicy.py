@@ -103,8 +103,9 @@ class BlockPolicy:
             raise ValueError(f"remat: an op decision must be one of {list(_DECISIONS)}, got {bad[0].decision!r}.")
         allowed = {"selective": set(_DECISIONS), "keep": {"recompute", "offload"}}.get(mode, {"recompute"})
         if any(d.decision not in allowed for d in decisions):
-            raise ValueError(f"remat: a {mode!r} block policy keeps no chosen op outputs"
-                             f"{'' if mode == 'keep' else ' and offloads none'}; use mode='selective'.")
+            raise ValueError(f"remat: a {mode!r} block policy keeps no op outputs by choice"
+                             + (" (it keeps all it saves); give it only 'offload' entries, or" if mode == "keep"
+                                else " and offloads none;") + " use mode='selective'.")
         self.mode = mode
         self.decisions = decisions
         table: dict[Any, dict[int, CheckpointPolicy]] = {}
