@@ -17,8 +17,9 @@ attention, ``use_cache=False``.  One training step is forward + backward of
 ``model(input_ids=ids, labels=ids).loss``.  The modes and the models are in ``gpu_modes.py``: besides the
 shared paths (torch's and remat's checkpoint, selective policies, offload), every-k rows (25/50/75% of the
 layers checkpointed, spread evenly), checkpoint with offloaded inputs (every layer but the last), and plans at
-70/50/30%, at 50/30% with offload allowed, and at the lowest peak any plan reaches; before the table, remat's
-predicted front beside the rules' points.
+70/50/30%, at 50/30% with offload allowed, at 50/30% mixing only checkpointed layers and kept layers whose
+largest saved tensors go to host memory (``keep_offload``), and at the lowest peak any plan reaches; before the
+table, remat's predicted front beside the rules' points.
 Every mode runs once per round, the order rotated each round, ``--rounds`` rounds after ``--warmup`` (eager
 modes in one phase, compiled ones in a second, both with plain eager as the reference of "x plain").
 
@@ -42,6 +43,10 @@ modes in one phase, compiled ones in a second, both with plain eager as the refe
 * remat's plans at 70/50/30% come from one ``remat.profile`` and are shown with predicted vs measured peak
   and extra time; compiled, a plan is applied and the model then compiled (remat lowers its wrappers into
   the compiler's own rematerialization under dynamo).
+* The compiled front: for each of torch.compile's ``activation_memory_budget`` values (1, its default, and
+  0.7/0.5/0.3) one untimed step measures the peak it reaches, and remat plans for that peak (checkpoint,
+  save_matmuls and selective options: what lowers into the compiler) and runs compiled beside it
+  (``compiled-match-<budget>``); a last table says, per budget, whether remat's point is as fast and as small.
 
 A row that runs out of memory reads OOM; the other rows go on.  Without CUDA (and without ``--device cpu``)
 the script says so and exits 0.
@@ -68,14 +73,17 @@ from remat.tools.arguments import add_optimizer_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_report, beside this file however it is loaded
 from gpu_modes import (  # noqa: E402
+    COMPILE_BUDGETS,
     COMPILED_KEYS,
     EAGER_KEYS,
     PLANS,
     Mode,
     Workload,
+    budget_key,
     build,
     compiled_modes,
     eager_modes,
+    matched_key,
     select,
 )
 from gpu_report import Row, mib, print_header, report, save, summarize  # noqa: E402
@@ -190,8 +198,9 @@ def run_phase(work: Workload, modes: list[Mode], rounds: int, warmup: int, name:
 
 
 def _profile_plans(work: Workload, keys: list[str], repeats: int,
-                   save_to: str | None = None) -> dict[str, remat.Plan | str]:
-    """The plans of ``keys`` (:data:`gpu_modes.PLANS`) from one profile, or why one was refused."""
+                   save_to: str | None = None) -> tuple[dict[str, remat.Plan | str], remat.Profile]:
+    """The plans of ``keys`` (:data:`gpu_modes.PLANS`) from one profile, or why one was refused; the profile
+    (it holds no tensors)."""
     prof = remat.profile(work.model, repeats=repeats, **work.inputs)
     if save_to:
         # the profile holds no tensors: re-planning from it elsewhere (a CPU machine) uses this device's prices
@@ -211,9 +220,56 @@ def _profile_plans(work: Workload, keys: list[str], repeats: int,
             plans[key] = f"refused: the smallest plan peaks at {mib(error.smallest - error.param_bytes)} MiB"
     if keys:
         print(f"\nremat's plans beside the rules, predicted:\n{prof.front(allow=PLANS[keys[-1]][1])}")
-    del prof
     work.free()
+    return plans, prof
+
+
+# Options remat lowers into the compiler's own rematerialization (offloading copies are eager-only).
+_COMPILED_ALLOW = ("checkpoint", "save_matmuls", "selective")
+
+
+def _matched_plans(work: Workload, prof: remat.Profile, modes: list[Mode], keys: list[str]
+                   ) -> dict[str, remat.Plan]:
+    """remat's plan at the peak each of torch.compile's budgets reaches (one untimed step of that mode, which
+    also compiles it), for the keys of ``keys`` among :func:`gpu_modes.matched_key`'s."""
+    by_key = {mode.key: mode for mode in modes}
+    plans = {}
+    for budget in (1, *COMPILE_BUDGETS):
+        key, reference = matched_key(budget), by_key.get(budget_key(budget))
+        if key not in keys:
+            continue
+        if reference is None:
+            print(f"{key}: skipped, it needs {budget_key(budget)} in --modes", file=sys.stderr)
+            continue
+        measured = _attempt(work, reference)
+        if isinstance(measured, str):
+            continue
+        peak = measured[1]
+        if peak is None:  # the CPU: the profiler's allocation events
+            with reference.installed():
+                peak = profiled_peak(reference.step)
+            work.model.zero_grad(set_to_none=True)
+        try:
+            plans[key] = prof.plan(prof.param_bytes + prof.buffer_bytes + peak, allow=_COMPILED_ALLOW)
+        except remat.InfeasibleBudget as error:
+            print(f"{key}: no plan reaches {mib(peak)} MiB ({error})", file=sys.stderr)
     return plans
+
+
+def _compiled_front(entries: list[dict[str, Any]]) -> str:
+    """Per budget of torch.compile: its point, remat's compiled plan at that peak, and which is left of which."""
+    by_key = {e["key"]: e for e in entries}
+    lines = ["| torch.compile budget | its ms / MiB | remat at its peak: ms / MiB | remat dominates |",
+             "|---|---|---|---|"]
+    for budget in (1, *COMPILE_BUDGETS):
+        theirs, ours = by_key.get(budget_key(budget)), by_key.get(matched_key(budget))
+        if not theirs or not ours or "median_ms" not in theirs or "median_ms" not in ours:
+            continue
+        both = theirs["peak"] is not None and ours["peak"] is not None
+        dominates = both and ours["median_ms"] <= theirs["median_ms"] and ours["peak"] <= theirs["peak"]
+        lines.append(f"| {budget:g} | {theirs['median_ms']:.1f} / {mib(theirs['peak'] or 0)} | "
+                     f"{ours['median_ms']:.1f} / {mib(ours['peak'] or 0)} | {'yes' if dominates else 'no'} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def header(work: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -300,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
 
     wanted = [key for key in PLANS if {key, f"compiled-{key}"} & set(keys)]
-    plans = _profile_plans(work, wanted, args.profile_repeats, args.save_profile)
+    plans, prof = _profile_plans(work, wanted, args.profile_repeats, args.save_profile)
     work.optimizer = make_optimizer(args.optimizer, work.model.parameters())
     work.step()  # the optimizer's state exists from the first measured step on, as in a training loop
     work.optimizer.step()
@@ -322,12 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     if builders:
         _set_recompile_limit(64)
         modes = [Mode("plain", "plain", work.step)] + [build_mode() for build_mode in builders]
+        matched = compiled_modes(work, plans, _matched_plans(work, prof, modes, keys))
+        modes += [build_mode() for key, build_mode in matched.items() if key.startswith("compiled-match-")]
         compiled_rows = run_phase(work, modes, args.rounds, args.warmup, "compiled")
         compiled = [e for e in summarize(compiled_rows, compiled_rows["plain"]) if e["key"] != "plain"]
         del modes, builders, compiled_rows
         work.free()
         print("\ncompiled (each row's ratio is to plain eager, run in the same rounds):")
         report(compiled, info, None)
+        front = _compiled_front(compiled)
+        if front:
+            print(f"\ntorch.compile's budgets against remat's plans compiled at the same peak:\n{front}")
         entries += compiled
         save(entries, info, args.json)
     failed = [e["label"] for e in entries if (e["failure"] or "").startswith("failed")]

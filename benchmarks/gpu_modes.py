@@ -31,12 +31,16 @@ PLAN_FRACTIONS = (0.7, 0.5, 0.3)
 COMPILE_BUDGETS = (0.7, 0.5, 0.3)
 SPREAD_SHARES = (25, 50, 75)  # percent of the layers an every-k row checkpoints, spread evenly
 _WITH_OFFLOAD = (*DEFAULT_ALLOW, "offload")
+# checkpointed layers beside kept layers whose largest saved tensors go to host memory, no op-level points
+_KEPT_OFFLOAD = ("checkpoint", "checkpoint_offload", "keep_offload")
 PLANS: dict[str, tuple[float | None, tuple[str, ...], str]] = {
     "plan-70": (0.7, DEFAULT_ALLOW, "remat plan 70%"),
     "plan-50": (0.5, DEFAULT_ALLOW, "remat plan 50%"),
     "plan-30": (0.3, DEFAULT_ALLOW, "remat plan 30%"),
     "plan-offload-50": (0.5, _WITH_OFFLOAD, "remat plan 50%, offload allowed"),
     "plan-offload-30": (0.3, _WITH_OFFLOAD, "remat plan 30%, offload allowed"),
+    "plan-kept-offload-50": (0.5, _KEPT_OFFLOAD, "remat plan 50%, checkpoint / kept with offloads only"),
+    "plan-kept-offload-30": (0.3, _KEPT_OFFLOAD, "remat plan 30%, checkpoint / kept with offloads only"),
     "plan-lowest": (None, _WITH_OFFLOAD, "remat plan at the lowest peak any plan reaches"),
 }
 """The plans the table runs, by key: (budget as a fraction, None for the lowest any plan reaches; the options
@@ -299,8 +303,10 @@ class _Inductor:
         return compile_fx(graph, example_inputs)
 
 
-def compiled_modes(work: Workload, plans: dict[str, remat.Plan | str]) -> dict[str, Callable[[], Mode]]:
-    """Builders of the compiled modes, by key (each compiles its own copy of the module tree when built)."""
+def compiled_modes(work: Workload, plans: dict[str, remat.Plan | str],
+                   matched: dict[str, remat.Plan] | None = None) -> dict[str, Callable[[], Mode]]:
+    """Builders of the compiled modes, by key (each compiles its own copy of the module tree when built);
+    ``matched``: remat's plans at the peaks torch.compile's budgets reached, by :func:`matched_key`."""
     import torch._functorch.config as functorch_config
 
     def compiled(key: str, label: str, prepare: Callable[[nn.Module], Any] = lambda m: None,
@@ -327,7 +333,21 @@ def compiled_modes(work: Workload, plans: dict[str, remat.Plan | str]) -> dict[s
             key = f"compiled-{_plan_key(fraction)}"
             builders[key] = compiled(key, f"torch.compile, remat plan {fraction:.0%} ({_decision_counts(plan)})",
                                      plan.apply)
+    for key, plan in (matched or {}).items():
+        budget = key.removeprefix("compiled-match-")
+        builders[key] = compiled(key, f"torch.compile, remat plan at budget {budget}'s peak "
+                                      f"({_decision_counts(plan)})", plan.apply)
     return builders
+
+
+def budget_key(budget: float) -> str:
+    """The compiled mode of torch.compile's ``activation_memory_budget`` (1 is its default: compiled-plain)."""
+    return "compiled-plain" if budget == 1 else f"compiled-budget-{budget:g}"
+
+
+def matched_key(budget: float) -> str:
+    """The compiled mode of remat's plan at the peak :func:`budget_key`'s mode reached."""
+    return f"compiled-match-{budget:g}"
 
 
 def _decision_counts(plan: remat.Plan) -> str:
@@ -342,7 +362,8 @@ EAGER_KEYS = ["plain", "torch-ckpt", "remat-ckpt", "remat-ckpt-chunked-head", "t
               "remat-save-on-cpu", "remat-offload", *(f"spread-{share}" for share in SPREAD_SHARES),
               "remat-ckpt-offload", *PLANS]
 COMPILED_KEYS = ["compiled-plain", *(f"compiled-budget-{b:g}" for b in COMPILE_BUDGETS), "compiled-remat-ckpt",
-                 *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS)]
+                 *(f"compiled-{_plan_key(f)}" for f in PLAN_FRACTIONS),
+                 *(f"compiled-match-{b:g}" for b in (1, *COMPILE_BUDGETS))]
 
 
 def select(patterns: list[str] | None, compile_rows: bool) -> list[str]:

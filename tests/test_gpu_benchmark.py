@@ -111,7 +111,7 @@ def test_the_cuda_path_times_with_events_and_reads_the_peak_above_the_start(gpu_
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_the_spread_offloaded_input_and_mixed_plan_rows_run_on_both_models(gpu_benchmark, tmp_path, capsys, model):
     out = tmp_path / "results.json"
-    modes = ["spread-*", "remat-ckpt-offload", "plan-offload-50", "plan-lowest"]
+    modes = ["spread-*", "remat-ckpt-offload", "plan-offload-50", "plan-kept-offload-50", "plan-lowest"]
     assert gpu_benchmark.main([*SMALLEST, "--model", model, "--modes", *modes, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "remat's plans beside the rules, predicted" in printed and "every-k 3 of 3" in printed
@@ -119,7 +119,7 @@ def test_the_spread_offloaded_input_and_mixed_plan_rows_run_on_both_models(gpu_b
     assert results["model"]["family"] == model
     rows = {row["key"]: row for row in results["rows"]}
     assert list(rows) == ["plain", "spread-25", "spread-50", "spread-75", "remat-ckpt-offload", "plan-offload-50",
-                          "plan-lowest"]
+                          "plan-kept-offload-50", "plan-lowest"]
     assert all(row["failure"] is None and row["median_ms"] > 0 for row in rows.values())
     assert rows["spread-75"]["label"] == "remat checkpoint, 2 of 3 layers spread"
     # checkpointing more layers keeps less; every layer checkpointed (the last plainly) keeps least of them
@@ -133,3 +133,21 @@ def test_quick_means_fewer_rounds_and_no_compiled_rows(gpu_benchmark):
     assert (args.hidden, args.layers) == (2048, 12)
     args = gpu_benchmark.parse(["--quick", "--model", "gpt2", "--rounds", "5"])
     assert (args.rounds, args.hidden, args.layers, args.batch, args.seq) == (5, 1024, 16, 8, 1024)
+
+
+def test_the_compiled_front_says_where_remat_is_left_of_torch_compiles_budget(gpu_benchmark):
+    """Each of torch.compile's budgets beside remat's plan compiled at the peak that budget reached: remat's
+    point dominates only when it is as fast and as small (both measured)."""
+    def entry(key, ms, peak):
+        return {"key": key, "median_ms": ms, "peak": peak}
+
+    table = gpu_benchmark._compiled_front([
+        entry("compiled-plain", 70.0, 8 << 30), entry("compiled-match-1", 69.0, 7 << 30),
+        entry("compiled-budget-0.5", 80.0, 6 << 30), entry("compiled-match-0.5", 82.0, 5 << 30),
+        entry("compiled-budget-0.3", 90.0, 6 << 30),  # no remat row: left out
+    ])
+    rows = [line for line in table.splitlines()[2:]]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "0.5"]
+    assert [row.split("|")[-2].strip() for row in rows] == ["yes", "no"]
+    assert gpu_benchmark.select(["compiled-match-*"], compile_rows=True)[1:] == [
+        "compiled-match-1", "compiled-match-0.7", "compiled-match-0.5", "compiled-match-0.3"]

@@ -32,6 +32,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..policies.hostcopy import engine_for
+from .copies import link_for
+from .keptoffload import keep_offload_options
 from .options import DEFAULT_ALLOW, BlockOption, block_options
 from .profile import SharedTensor, StepProfile
 
@@ -121,14 +124,20 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
 
 
 def chain_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> list[list[BlockOption]]:
-    """Every block's options as the planner weighs them: :func:`~remat.planning.options.block_options`, and
-    where ``checkpoint`` is allowed the segments starting at that block (:func:`segment_options`).
+    """Every block's options as the planner weighs them: :func:`~remat.planning.options.block_options`, on an
+    accelerator whose copies run on their own stream the ``keep_offload`` levels
+    (:mod:`remat.planning.keptoffload`) where allowed, and where ``checkpoint`` is allowed the segments starting
+    at that block (:func:`segment_options`).
 
     Example:
         >>> sorted({o.name for o in chain_options(prof)[0]})
         ['checkpoint', 'keep', 'segment']
     """
     options = block_options(prof, allow)
+    engine = None if prof.device.startswith(("cpu", "meta")) else engine_for(prof.device.split(":")[0])
+    if "keep_offload" in allow and engine is not None and engine.model.asynchronous:
+        for p, kept in keep_offload_options(prof, link_for(prof.device), engine.in_flight_limit).items():
+            options[p] = options[p] + kept
     if "checkpoint" in allow:
         for first, segments in segment_options(prof).items():
             options[first] = options[first] + segments

@@ -52,6 +52,7 @@ from typing import Any
 from .baselines import rules
 from .chain import chain_options, passed_on
 from .options import DEFAULT_ALLOW, BlockOption, step_extra_time
+from .placement import cheaper_placement
 from .plan import Plan
 from .profile import StepProfile
 from .refusal import InfeasibleBudget
@@ -285,13 +286,10 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
     return _peak(prof, chosen), step_extra_time(prof, chosen)
 
 
-def _in_flight(chosen: Sequence[BlockOption]) -> int:
-    """Bytes the offload hooks' copies may hold on the device at once: one window for the whole step."""
-    return max((o.in_flight for o in chosen), default=0)
-
-
 def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
-    return _chain_peak(prof, chosen, accounting) + _in_flight(chosen)
+    """The chain's peak, and the bytes the offload hooks' copies may hold on the device at once: one window for the
+    whole step."""
+    return _chain_peak(prof, chosen, accounting) + max((o.in_flight for o in chosen), default=0)
 
 
 def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
@@ -533,21 +531,23 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
         indices = _solve(prof, budget - window, candidates, with_cost, accounting)
         if indices is not None:
             found.append([(p, candidates[p][i]) for p, i in indices])
-    return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
+    return min(found, key=lambda placed: step_extra_time(prof, [o for _, o in placed]), default=None)
 
 
 def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
                          placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
     """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
     much time and less memory: the search merges states of many shared storages on the safe side and breaks
-    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model."""
+    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model.  Then
+    placed among alike blocks where the copy timeline prices it cheaper (:mod:`remat.planning.placement`)."""
     accounting = _Accounting(prof)
     candidates = [] if placed is None else [placed]
     for rule in rules(options):
         if _peak(prof, rule.chosen, accounting) <= budget:
             candidates.append(list(enumerate(rule.chosen)))
-    return min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
-                                                        _peak(prof, [o for _, o in c], accounting)))
+    best = min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
+                                                      _peak(prof, [o for _, o in c], accounting)))
+    return cheaper_placement(prof, best, lambda chosen: _peak(prof, chosen, accounting))
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
