@@ -25,10 +25,11 @@ candidate block with its real inputs.  For each operator the block dispatches, a
 
 ``saved_tensors`` counts what autograd saves (parameters included), and ``saved_needing_grad`` those that
 require grad: a recomputation detaches each of them, one more op dispatched under a policy.  Per storage a
-:class:`StorageLife` says who made it, whether autograd saves it, after how many ops of a plain forward it died
-when nothing held it for backward; the front's cost model uses that for the recomputation's peak, the planner
-for a recomputing forward's.  ``BlockGraph.stop`` is the number of ops a recomputation runs: remat's early stop
-ends it at the block's last saved tensor, and autograd saves an op's inputs before the op runs.
+:class:`StorageLife` says who made it, whether autograd saves it and after how many of the block's ops it died
+where autograd held nothing (as in a checkpointed forward); the front's cost model uses that for the
+recomputation's peak, the planner for a recomputing forward's.  ``BlockGraph.stop`` is the number of ops a
+recomputation runs: remat's early stop ends it at the block's last saved tensor, and autograd saves an op's
+inputs before the op runs.
 
 Blocks with the same class, inputs and op graph share one :class:`BlockGraph`;
 only one of them is timed.
@@ -523,6 +524,7 @@ def profile_ops(
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
         with left_as_found(model), torch.enable_grad():
+            # no backward runs: nothing is unpacked
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _Held().unpack), recorder:
                 model(*example_inputs, **example_kwargs)
             for handle in handles:

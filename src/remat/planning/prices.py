@@ -172,11 +172,7 @@ def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
         given += s.nbytes if s.producer in served else 0
         delta[start] += s.nbytes
         delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
-    running = peak = 0
-    for change in delta[:stop]:
-        running += change
-        peak = max(peak, running)
-    return max(0, peak - given)
+    return max(0, _running_peak(delta[:stop]) - given)
 
 
 def forward_spared(graph: BlockGraph, kept: Collection[int] = frozenset()) -> int:
