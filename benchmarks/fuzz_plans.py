@@ -7,8 +7,10 @@ some with in-place activation layers, residual blocks, blocks that share one inp
 every feasible budget of a grid and takes random assignments of options besides, then trains each distinct
 plan for three SGD steps beside the unplanned model (tests/fuzz_check.py, through remat.check_plan).  A plan
 holds when every step peaks within 3% of its prediction (MemTracker, bytes above parameters and buffers) with
-gradients bitwise equal.  Misses, errors and models that cannot be profiled are printed as they come; a table
-by pattern every ``--every`` models and at the end.
+gradients bitwise equal.  Each model is also profiled on the meta device and compared with its CPU profile, to
+the byte (every segment's peak, every block's bytes: ``meta differs`` counts the models where one is not equal).
+Misses, errors, meta differences and models that cannot be profiled are printed as they come; a table by
+pattern every ``--every`` models and at the end.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fuzz_check import BUDGETS, check_case  # noqa: E402
+from fuzz_check import BUDGETS, check_case, meta_difference  # noqa: E402
 from fuzz_models import make_case  # noqa: E402
 
-_COLUMNS = ("models", "unprofiled", "plans", "holds", "misses", "errors", "grads differ")
+_COLUMNS = ("models", "unprofiled", "meta differs", "plans", "holds", "misses", "errors", "grads differ")
 
 
 def main() -> None:
@@ -46,6 +48,11 @@ def main() -> None:
         if result.error:
             row["unprofiled"] += 1
             print(f"cannot profile {result.case}: {result.error}", flush=True)
+        else:
+            differs = meta_difference(result.case, result.profile)
+            row["meta differs"] += bool(differs)
+            if differs:
+                print(f"{result.case} | meta differs: {differs}", flush=True)
         for plan in result.plans:
             row["plans"] += 1
             row["holds"] += plan.holds

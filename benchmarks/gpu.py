@@ -17,8 +17,9 @@ attention, ``use_cache=False``.  One training step is forward + backward of
 ``model(input_ids=ids, labels=ids).loss``.  The modes and the models are in ``gpu_modes.py``: besides the
 shared paths (torch's and remat's checkpoint, selective policies, offload), every-k rows (25/50/75% of the
 layers checkpointed, spread evenly), checkpoint with offloaded inputs (every layer but the last), and plans at
-70/50/30%, at 50/30% with offload allowed, and at the lowest peak any plan reaches; before the table, remat's
-predicted front beside the rules' points.
+70/50/30%, at 50/30% with offload allowed, at 50/30% mixing only checkpointed layers and kept layers whose
+largest saved tensors go to host memory (``keep_offload``), and at the lowest peak any plan reaches; before the
+table, remat's predicted front beside the rules' points.
 Every mode runs once per round, the order rotated each round, ``--rounds`` rounds after ``--warmup`` (eager
 modes in one phase, compiled ones in a second, both with plain eager as the reference of "x plain").
 

@@ -31,12 +31,16 @@ PLAN_FRACTIONS = (0.7, 0.5, 0.3)
 COMPILE_BUDGETS = (0.7, 0.5, 0.3)
 SPREAD_SHARES = (25, 50, 75)  # percent of the layers an every-k row checkpoints, spread evenly
 _WITH_OFFLOAD = (*DEFAULT_ALLOW, "offload")
+# checkpointed layers beside kept layers whose largest saved tensors go to host memory, no op-level points
+_KEPT_OFFLOAD = ("checkpoint", "checkpoint_offload", "keep_offload")
 PLANS: dict[str, tuple[float | None, tuple[str, ...], str]] = {
     "plan-70": (0.7, DEFAULT_ALLOW, "remat plan 70%"),
     "plan-50": (0.5, DEFAULT_ALLOW, "remat plan 50%"),
     "plan-30": (0.3, DEFAULT_ALLOW, "remat plan 30%"),
     "plan-offload-50": (0.5, _WITH_OFFLOAD, "remat plan 50%, offload allowed"),
     "plan-offload-30": (0.3, _WITH_OFFLOAD, "remat plan 30%, offload allowed"),
+    "plan-kept-offload-50": (0.5, _KEPT_OFFLOAD, "remat plan 50%, checkpoint / kept with offloads only"),
+    "plan-kept-offload-30": (0.3, _KEPT_OFFLOAD, "remat plan 30%, checkpoint / kept with offloads only"),
     "plan-lowest": (None, _WITH_OFFLOAD, "remat plan at the lowest peak any plan reaches"),
 }
 """The plans the table runs, by key: (budget as a fraction, None for the lowest any plan reaches; the options

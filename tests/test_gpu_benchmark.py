@@ -111,7 +111,7 @@ def test_the_cuda_path_times_with_events_and_reads_the_peak_above_the_start(gpu_
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
 def test_the_spread_offloaded_input_and_mixed_plan_rows_run_on_both_models(gpu_benchmark, tmp_path, capsys, model):
     out = tmp_path / "results.json"
-    modes = ["spread-*", "remat-ckpt-offload", "plan-offload-50", "plan-lowest"]
+    modes = ["spread-*", "remat-ckpt-offload", "plan-offload-50", "plan-kept-offload-50", "plan-lowest"]
     assert gpu_benchmark.main([*SMALLEST, "--model", model, "--modes", *modes, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "remat's plans beside the rules, predicted" in printed and "every-k 3 of 3" in printed
@@ -119,7 +119,7 @@ def test_the_spread_offloaded_input_and_mixed_plan_rows_run_on_both_models(gpu_b
     assert results["model"]["family"] == model
     rows = {row["key"]: row for row in results["rows"]}
     assert list(rows) == ["plain", "spread-25", "spread-50", "spread-75", "remat-ckpt-offload", "plan-offload-50",
-                          "plan-lowest"]
+                          "plan-kept-offload-50", "plan-lowest"]
     assert all(row["failure"] is None and row["median_ms"] > 0 for row in rows.values())
     assert rows["spread-75"]["label"] == "remat checkpoint, 2 of 3 layers spread"
     # checkpointing more layers keeps less; every layer checkpointed (the last plainly) keeps least of them

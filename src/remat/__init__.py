@@ -38,7 +38,7 @@ _SOURCES = {
     "tag": "policies.tags",
     "CheckpointImpl": "api.modules",
     "CheckpointWrapper": "api.modules",
-    "InfeasibleBudget": "planning.solver",
+    "InfeasibleBudget": "planning.refusal",
     "UnsteadyTimings": "planning.opgraph",
     "PlanCheck": "planning.check",
     "InputShapeWarning": "planning.inputs",

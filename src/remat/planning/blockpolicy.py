@@ -8,7 +8,9 @@ run of the block, so two matmuls of one block can get different decisions.
 
 Modes:
 
-* ``keep``: the block runs as is (plain autograd keeps what it saves);
+* ``keep``: the block runs as is (plain autograd keeps what it saves); with ``offload`` entries, the saved
+  tensors those op calls made go to host memory behind the forward and come back ahead of its backward
+  (:class:`remat.offload` with ``outputs_of``): nothing is recomputed;
 * ``checkpoint``: plain checkpointing, no per-op dispatch at all;
 * ``selective``: checkpointing with a selective-checkpoint policy that keeps
   the ``keep`` entries, moves the ``offload`` entries to host memory until the
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api.modules import ActivationWrapper, checkpoint_wrapper
+from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
 from ..policies.decisions import CheckpointPolicy
 from ..policies.rules import Policy
 from ..policies.selective import create_selective_checkpoint_contexts
@@ -99,8 +101,11 @@ class BlockPolicy:
         bad = [d for d in decisions if d.decision not in _DECISIONS]
         if bad:
             raise ValueError(f"remat: an op decision must be one of {list(_DECISIONS)}, got {bad[0].decision!r}.")
-        if mode != "selective" and any(d.decision != "recompute" for d in decisions):
-            raise ValueError(f"remat: a {mode!r} block policy keeps no op outputs; use mode='selective'.")
+        allowed = {"selective": set(_DECISIONS), "keep": {"recompute", "offload"}}.get(mode, {"recompute"})
+        if any(d.decision not in allowed for d in decisions):
+            raise ValueError(f"remat: a {mode!r} block policy keeps no op outputs by choice"
+                             + (" (it keeps all it saves); give it only 'offload' entries, or" if mode == "keep"
+                                else " and offloads none;") + " use mode='selective'.")
         self.mode = mode
         self.decisions = decisions
         table: dict[Any, dict[int, CheckpointPolicy]] = {}
@@ -125,6 +130,16 @@ class BlockPolicy:
     def kept_bytes(self) -> int:
         """Bytes of the kept op outputs (as profiled)."""
         return sum(d.bytes for d in self.decisions if d.decision == "keep")
+
+    @property
+    def offloaded_ops(self) -> dict[torch._ops.OpOverload, set[int]]:
+        """``{op overload: call indices}`` of the op outputs moved to host memory (``outputs_of`` of
+        :class:`remat.offload`)."""
+        table: dict[torch._ops.OpOverload, set[int]] = {}
+        for d in self.decisions:
+            if d.decision == "offload":
+                table.setdefault(resolve_op(d.op), set()).add(d.call)
+        return table
 
     @property
     def offloaded_bytes(self) -> int:
@@ -162,13 +177,19 @@ class BlockPolicy:
         return create_selective_checkpoint_contexts(self.rules)
 
     def wrap(self, module: nn.Module) -> nn.Module:
-        """``module`` set up to run under this policy (``keep``: the module itself).
+        """``module`` set up to run under this policy (``keep``: the module itself, or with ``offload`` entries
+        the module under an offloader moving those op outputs).
 
         Example:
             >>> wrapped = BlockPolicy("checkpoint").wrap(model.blocks[0])
+            >>> moving = BlockPolicy("keep", [OpDecision("aten.mm.default", 4, 88 << 20, "offload")]).wrap(layer)
         """
         if self.mode == "keep":
-            return module
+            if not any(d.decision == "offload" for d in self.decisions):
+                return module
+            wrapper = offload_wrapper(module, outputs_of=self.offloaded_ops)
+            wrapper._remat_block_policy = self
+            return wrapper
         wrapper = checkpoint_wrapper(module) if self.mode == "checkpoint" else checkpoint_wrapper(
             module, context_fn=self.context_fn)
         wrapper._remat_block_policy = self
@@ -203,7 +224,8 @@ class BlockPolicy:
         return isinstance(other, BlockPolicy) and self.to_dict() == other.to_dict()
 
     def __repr__(self) -> str:
-        return f"<BlockPolicy {self.mode}: {len(self.kept)} kept op outputs, {format_bytes(self.kept_bytes)}>"
+        moved = f", {format_bytes(self.offloaded_bytes)} offloaded" if self.offloaded_bytes else ""
+        return f"<BlockPolicy {self.mode}: {len(self.kept)} kept op outputs, {format_bytes(self.kept_bytes)}{moved}>"
 
     def __str__(self) -> str:
         lines = [f"{self.mode}: keeps {len(self.kept)} op outputs ({format_bytes(self.kept_bytes)})"]

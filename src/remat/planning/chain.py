@@ -32,10 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..policies.hostcopy import engine_for
+from .copies import link_for
+from .keptoffload import keep_offload_options
 from .options import DEFAULT_ALLOW, BlockOption, block_options
-from .profile import StepProfile
+from .profile import SharedTensor, StepProfile
 
-__all__ = ["MAX_SPAN", "chain_options", "segment_options", "segment_time", "segment_transient",
+__all__ = ["MAX_SPAN", "chain_options", "passed_on", "segment_options", "segment_time", "segment_transient",
            "sequential_choice"]
 
 MAX_SPAN = 64
@@ -73,6 +76,23 @@ def segment_transient(prof: StepProfile, first: int, last: int) -> int:
     return max(0, top - rows[first].forward_start)
 
 
+def passed_on(prof: StepProfile, shared: SharedTensor) -> int:
+    """From which block's forward on (a prefix of the chain) only the blocks that save or take ``shared`` hold
+    it: ``len(prof.rows) + 1`` (never) unless the blocks that returned it are consecutive children of one plain
+    ``nn.Sequential``, whose loop holds a child's output only until the next child has returned, and no block
+    after that one holds it.
+
+    Example:
+        >>> passed_on(prof, prof.shared[0])  # a ReLU's output the next layer took: let go after that layer
+        4
+    """
+    n, made = len(prof.rows), shared.output_of
+    if not made or shared.outside or max(made) + 1 >= n or max(shared.holders, default=0) > max(made) + 1:
+        return n + 1
+    linked = all(prof.links[j] if j < len(prof.links) else False for j in range(min(made), max(made) + 1))
+    return max(made) + 2 if linked else n + 1
+
+
 def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, list[BlockOption]]:
     """Per block index, the ``segment`` options that start there: one per run of 2 to ``max_span`` linked
     blocks, as :class:`~remat.planning.options.BlockOption` with ``span`` set.
@@ -104,14 +124,20 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
 
 
 def chain_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> list[list[BlockOption]]:
-    """Every block's options as the planner weighs them: :func:`~remat.planning.options.block_options`, and
-    where ``checkpoint`` is allowed the segments starting at that block (:func:`segment_options`).
+    """Every block's options as the planner weighs them: :func:`~remat.planning.options.block_options`, on an
+    accelerator whose copies run on their own stream the ``keep_offload`` levels
+    (:mod:`remat.planning.keptoffload`) where allowed, and where ``checkpoint`` is allowed the segments starting
+    at that block (:func:`segment_options`).
 
     Example:
         >>> sorted({o.name for o in chain_options(prof)[0]})
         ['checkpoint', 'keep', 'segment']
     """
     options = block_options(prof, allow)
+    engine = None if prof.device.startswith(("cpu", "meta")) else engine_for(prof.device.split(":")[0])
+    if "keep_offload" in allow and engine is not None and engine.model.asynchronous:
+        for p, kept in keep_offload_options(prof, link_for(prof.device), engine.in_flight_limit).items():
+            options[p] = options[p] + kept
     if "checkpoint" in allow:
         for first, segments in segment_options(prof).items():
             options[first] = options[first] + segments

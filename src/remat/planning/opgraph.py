@@ -1,42 +1,35 @@
 """What a block's forward does, op by op: the graph op-level checkpointing plans choose from.
 
-:func:`profile_ops` runs one forward of a model (grad enabled, no backward)
-and records the first call of every candidate block with its real inputs.
-For each operator the block dispatches, an :class:`OpNode` holds:
+:func:`profile_ops` runs one forward of a model (grad enabled, no backward) and records the first call of every
+candidate block with its real inputs.  For each operator the block dispatches, an :class:`OpNode` holds:
 
-* the op overload and its *call index* among that op's calls in the block —
-  how a :class:`~remat.planning.blockpolicy.BlockPolicy` names it;
-* its kind: ``compute`` (a policy may keep its output), ``alias`` (views and
-  in-place ops: they create no storage and rerun) or ``ignored`` (detach and
-  metadata queries, never subject to a policy); and whether it is random.  A
-  kept random op is served with its generator's state as forward left it, so
-  the random ops rerun after it draw as in forward; a random in-place op
-  writing one tensor (dropout's ``bernoulli_``) is the one ``alias`` a policy
-  may keep: by value, a copy of what it wrote (see :mod:`remat.policies.selective`);
-* ``out_bytes``: the bytes of the storages it creates (views share their base;
-  a multi-output op's storages add up) or, for a random in-place op, of the
-  copy keeping it holds (the tensor it writes); and the part of its storages
-  autograd saves (storages that reached the pack hook);
+* the op overload and its *call index* among that op's calls in the block — how a
+  :class:`~remat.planning.blockpolicy.BlockPolicy` names it;
+* its kind: ``compute`` (a policy may keep its output), ``alias`` (views and in-place ops: they create no
+  storage and rerun) or ``ignored`` (detach and metadata queries, never subject to a policy); and whether it is
+  random.  A kept random op is served with its generator's state as forward left it, so the random ops rerun
+  after it draw as in forward; a random in-place op writing one tensor (dropout's ``bernoulli_``) is the one
+  ``alias`` a policy may keep: by value, a copy of what it wrote (see :mod:`remat.policies.selective`);
+* ``out_bytes``: the bytes of the storages it creates (views share their base; a multi-output op's storages add
+  up) or, for a random in-place op, of the copy keeping it holds (the tensor it writes); and the part of its
+  storages autograd saves (storages that reached the pack hook);
 * which earlier ops produced its tensor arguments (``needs``), whether it
   reads the block's inputs, and whose storages it writes in place (``writes``);
 * whether a later in-place op writes one of its storages: then its output
   cannot be kept (the kept value would change under the policy);
-* its time, medians of several runs (:func:`remat.planning.timing.time_ops`):
-  ``kernel_time`` on the device (events on an accelerator), ``host_time``
-  (the Python, autograd and dispatcher work around it) and ``wall_time``,
-  what it adds to a run — the sum on the CPU, the larger on an accelerator
-  whose host runs ahead (``BlockGraph.asynchronous``); on the meta device, or
-  with ``timing="estimate"``, the larger of FLOPs / ``throughput`` and bytes
-  moved / ``bandwidth``, all of it kernel time.
+* its time, medians of several runs (:func:`remat.planning.timing.time_ops`): ``kernel_time`` on the device
+  (events on an accelerator), ``host_time`` (the Python, autograd and dispatcher work around it) and
+  ``wall_time``, what it adds to a run — the sum on the CPU, the larger on an accelerator whose host runs ahead
+  (``BlockGraph.asynchronous``); on the meta device, or with ``timing="estimate"``, the larger of FLOPs /
+  ``throughput`` and bytes moved / ``bandwidth``, all of it kernel time.
 
-``saved_tensors`` counts what autograd saves (parameters included), and
-``saved_needing_grad`` those that require grad: a recomputation detaches each
-of them, one more op dispatched under a policy.  Per storage a
-:class:`StorageLife` says who made it, whether autograd saves
-it and after how many ops of a plain forward it died; the front's cost model
-uses that for the recomputation's peak.  ``BlockGraph.stop`` is the number of
-ops a recomputation runs: remat's early stop ends it at the block's last
-saved tensor, and autograd saves an op's inputs before the op runs.
+``saved_tensors`` counts what autograd saves (parameters included), and ``saved_needing_grad`` those that
+require grad: a recomputation detaches each of them, one more op dispatched under a policy.  Per storage a
+:class:`StorageLife` says who made it, whether autograd saves it and after how many of the block's ops it died
+where autograd held nothing (as in a checkpointed forward); the front's cost model uses that for the
+recomputation's peak, the planner for a recomputing forward's.  ``BlockGraph.stop`` is the number of ops a
+recomputation runs: remat's early stop ends it at the block's last saved tensor, and autograd saves an op's
+inputs before the op runs.
 
 Blocks with the same class, inputs and op graph share one :class:`BlockGraph`;
 only one of them is timed.
@@ -113,7 +106,10 @@ class StorageLife:
     """A storage a block's op created: its maker, size, whether autograd saves it, when it died.
 
     ``dies`` is the number of the block's ops completed when the storage was
-    freed in a plain forward, or None if it outlived the block's forward.
+    freed in a forward where autograd holds nothing (a checkpointed one: its
+    readers and the block's code are done with it), or None if it outlived
+    the block's forward (its output; autograd saves it in a plain forward
+    when ``saved``).
     """
 
     producer: int
@@ -295,9 +291,8 @@ class _Recorder(TorchDispatchMode):
         self.current: _BlockRecord | None = None
         self.estimate = estimate
         self.finalizers: list[weakref.finalize] = []
-        self.held = _Held()
 
-    def pack(self, t: torch.Tensor) -> int:
+    def pack(self, t: torch.Tensor) -> None:
         record = self.current
         if record is not None:
             record.packs += 1
@@ -308,7 +303,9 @@ class _Recorder(TorchDispatchMode):
                 record.lives[where].saved = True
             elif where is not None:
                 record.input_saved.add(where)
-        return self.held.pack(t)
+        # Nothing is kept (no backward runs): a storage dies when the block's code is done with it, as in a
+        # checkpointed forward (StorageLife.dies).
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -527,9 +524,9 @@ def profile_ops(
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
         with left_as_found(model), torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.held.unpack), recorder:
+            # no backward runs: nothing is unpacked
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _Held().unpack), recorder:
                 model(*example_inputs, **example_kwargs)
-            recorder.held.clear()
             for handle in handles:
                 handle.remove()
             handles.clear()

@@ -1,4 +1,5 @@
-"""What each block may become in a plan: keep, checkpoint, save_matmuls, selective points, offload.
+"""What each block may become in a plan: keep, checkpoint, save_matmuls, selective points, offload, and kept with
+its largest saved tensors offloaded (``keep_offload``, built by :mod:`remat.planning.keptoffload`).
 
 Each option is a :class:`BlockOption`: the bytes of the block's own it keeps from forward to backward, the
 extra step time it costs, the transient its recomputation adds in backward, and how to install it.
@@ -33,17 +34,19 @@ from ..policies.hostcopy import engine_for
 from ..policies.offload import PREFETCH_DEPTH
 from .blockpolicy import BlockPolicy
 from .copies import copy_waits, link_for, prefetch_wait
-from .fronts import FrontPoint, fronts, offload_twins, policy_for, thin_front
+from .copyline import Copy, simulate
+from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
 from .opgraph import BlockGraph, OpProfile
+from .prices import forward_spared
 from .profile import ModuleProfile, StepProfile
 
-__all__ = ["BlockOption", "block_options", "selective_options", "step_extra_time"]
+__all__ = ["BlockOption", "block_options", "selective_option", "selective_options", "step_extra_time"]
 
-OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload")
+OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
 ALLOWED = OPTIONS[1:]
 # Offloading op outputs is asked for by name: on an H100 a Llama layer that offloaded 32 MiB of op outputs
 # measured ~4 ms of extra time, priced ~2 ms, and no plan measured faster with offloads than without.
-DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload")
+DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload")
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice: where none was measured
 _GRID = 2.0**32  # prices per second
 
@@ -64,6 +67,9 @@ class BlockOption:
     this one, the option runs as one region (a ``segment``, :mod:`remat.planning.chain`); ``kept`` and
     ``transient`` are then the region's.  ``moved``: bytes of the block's inputs that go to host memory until
     its backward (``checkpoint_offload``), whose copies :func:`step_extra_time` prices on the step's timeline.
+    ``copies``: the saved tensors a kept block moves to host memory (``keep_offload``), priced there too.
+    ``spared``: how much less than the plain forward's peak the block's forward holds under the option (negative:
+    more, outputs a policy keeps that the plain forward had freed).
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -82,6 +88,8 @@ class BlockOption:
     in_flight: int = field(default=0, compare=False)
     span: int = 1
     moved: int = field(default=0, compare=False)
+    copies: tuple[Copy, ...] = field(default=(), compare=False)
+    spared: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that
@@ -121,11 +129,13 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
             per_block.append(choices)
             continue
         if "checkpoint" in allow and row.checkpoint_time != float("inf"):
-            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True))
+            choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True,
+                                       spared=row.forward_spared))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
             # Its recomputation is served the kept matmul outputs it reruns to instead of making them again.
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
-                                       max(0, row.recompute_bytes - row.matmul_spared_bytes), True))
+                                       max(0, row.recompute_bytes - row.matmul_spared_bytes), True,
+                                       spared=row.matmul_forward_spared))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         if "checkpoint_offload" in allow and on_accelerator and row is not prof.rows[-1]:
             choices += _checkpoint_offload(prof, row, prof.rows[prof.rows.index(row) + 1])
@@ -156,18 +166,24 @@ def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProf
         return []
     wait = prefetch_wait(moved, 2 * after.forward_time, link_for(prof.device))
     return [BlockOption("checkpoint_offload", row.held_bytes - moved, row.checkpoint_time + wait,
-                        row.recompute_bytes, True, copy_time=wait, in_flight=2 * moved, moved=moved)]
+                        row.recompute_bytes, True, copy_time=wait, in_flight=2 * moved, moved=moved,
+                        spared=row.forward_spared)]
 
 
 def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
     """Extra seconds of ``chosen`` (one option per run of blocks, in order): the options' prices, with the copies
     back of the inputs ``checkpoint_offload`` moves priced on the step's timeline (:func:`copy_waits`: each
     behind the backward, recomputation included, that the plan runs before its block's) instead of each alone.
+    Where a kept block moves saved tensors (``keep_offload``), every copy of the plan is priced tensor by tensor
+    as the copy engine runs them (:func:`~remat.planning.copyline.simulate`): its window, what stays on the
+    device into backward, its prefetch.
 
     Example:
         >>> step_extra_time(prof, [keep, checkpoint_offload, checkpoint])
     """
     total = sum(o.extra_time for o in chosen)
+    if any(o.copies for o in chosen):
+        return total + _on_copy_timeline(prof, chosen)
     if not any(o.moved for o in chosen):
         return total
     n = len(prof.rows)
@@ -182,6 +198,29 @@ def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
     forward = [row.forward_time for row in prof.rows]
     head = max(0.0, prof.step_time - 3 * sum(forward))
     return total + sum(copy_waits(forward, recompute, moved, link_for(prof.device), head))
+
+
+def _on_copy_timeline(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
+    """What pricing ``chosen``'s copies together, tensor by tensor (:func:`~remat.planning.copyline.simulate`),
+    changes in its sum of prices: each option's own copy price out, the compute's waits on the timeline in."""
+    n = len(prof.rows)
+    recompute, copies = [0.0] * n, [()] * n
+    p, alone = 0, 0.0
+    for o in chosen:
+        recompute[p + o.span - 1] = o.extra_time - o.copy_time
+        copies[p] = o.copies or ((Copy(0.0, 0.0, o.moved),) if o.moved else ())
+        alone += o.copy_time if o.copies or o.moved else 0.0
+        p += o.span
+    forward = [row.forward_time for row in prof.rows]
+    head = max(0.0, prof.step_time - 3 * sum(forward))
+    line = simulate(forward, recompute, copies, link_for(prof.device), _window(prof.device), head)
+    return line.wait - alone
+
+
+def _window(device: str) -> int:
+    """The copy engine's in-flight limit for ``device``'s tensors."""
+    engine = engine_for(device.split(":")[0])
+    return engine.in_flight_limit if engine is not None else 0
 
 
 def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12, offload: bool = False
@@ -207,6 +246,16 @@ def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12, offlo
     return options
 
 
+def selective_option(row: ModuleProfile, graph: BlockGraph, kept: Sequence[int]) -> BlockOption:
+    """The ``selective`` option of ``row``'s block that keeps the outputs of the ``kept`` nodes of its op graph
+    (any of ``graph.keepable``, not only a front's point), priced and sized as the planner's own.
+
+    Example:
+        >>> option = selective_option(prof.rows[0], prof.ops.blocks[prof.rows[0].name], graph.keepable[:2])
+    """
+    return _option(row, graph, evaluate(graph, "checkpoint"), evaluate(graph, "selective", kept))
+
+
 def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point: FrontPoint) -> BlockOption:
     scale = row.checkpoint_time / checkpoint.extra_time if checkpoint.extra_time > 0 else 1.0
     policy = policy_for(graph, point)
@@ -220,4 +269,5 @@ def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point
         policy=policy,
         recomputed_ops=point.recomputed_ops,
         copy_time=point.copy_time * scale,
+        spared=forward_spared(graph, {*point.kept, *point.offloaded}),  # offloaded: on the device until copied
     )

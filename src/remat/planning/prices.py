@@ -33,6 +33,10 @@ does not follow timing noise from one process to the next.
 
 ``save_matmuls`` is the selective point that keeps every matmul-like output (:data:`MATMUL_OPS`).
 
+Bytes come from the same graph: :func:`recompute_peak` is what a recomputation holds above its start, and
+:func:`forward_spared` how much lower than a plain forward a recomputing one peaks (autograd keeps nothing there
+but a policy's kept outputs).
+
 Example:
     >>> prices = BlockPrices(graph)
     >>> prices.time("checkpoint"), prices.time("selective", prices.matmul_nodes())
@@ -40,13 +44,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from ..policies.rules import MATMUL_OPS
 from .opgraph import BlockGraph
 from .timing import op_cost
 
-__all__ = ["BlockPrices", "recompute_peak"]
+__all__ = ["BlockPrices", "forward_spared", "matmuls", "recompute_peak"]
 
 _MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
 
@@ -168,8 +172,45 @@ def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
         given += s.nbytes if s.producer in served else 0
         delta[start] += s.nbytes
         delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
+    return max(0, _running_peak(delta[:stop]) - given)
+
+
+def forward_spared(graph: BlockGraph, kept: Collection[int] = frozenset()) -> int:
+    """Bytes a recomputing forward of ``graph``'s block holds less at its peak than a plain forward: autograd
+    keeps nothing there, so each storage dies when the block's code is done with it (``StorageLife.dies``), but
+    a policy holds the outputs of the ``kept`` nodes until backward, whether autograd would save them or not
+    (a random in-place op's as a copy): negative where that holds more (a matmul output the next op does not
+    save, kept beside that op's output).
+
+    Example:
+        >>> forward_spared(graph) >= forward_spared(graph, {graph.keepable[0]})
+        True
+    """
+    size = len(graph.nodes)
+    plain, recomputing = [0] * (size + 1), [0] * (size + 1)
+    for s in graph.storages:
+        plain[s.producer] += s.nbytes
+        recomputing[s.producer] += s.nbytes
+        plain[size if s.saved or s.dies is None else s.dies] -= s.nbytes
+        recomputing[size if s.dies is None or s.producer in kept else s.dies] -= s.nbytes
+    for index in kept:
+        recomputing[index] += graph.copied_bytes(index)
+    return _running_peak(plain[:size]) - _running_peak(recomputing[:size])
+
+
+def matmuls(graph: BlockGraph) -> set[int]:
+    """The nodes whose outputs the ``save_matmuls`` rule keeps in forward: every matmul-like op's.
+
+    Example:
+        >>> forward_spared(graph, matmuls(graph)) <= forward_spared(graph)
+        True
+    """
+    return {node.index for node in graph.nodes if node.op in _MATMUL_NAMES}
+
+
+def _running_peak(delta: list[int]) -> int:
     running = peak = 0
-    for change in delta[:stop]:
+    for change in delta:
         running += change
         peak = max(peak, running)
-    return max(0, peak - given)
+    return peak

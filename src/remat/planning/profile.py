@@ -35,7 +35,7 @@ from torch import nn
 
 from ..engine.replay import tensor_leaves
 from .opgraph import OpProfile, profile_ops
-from .prices import BlockPrices, recompute_peak
+from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of, spread
@@ -68,7 +68,9 @@ class ModuleProfile:
     starting at this block keeps through its rerun of ``k``.  ``matmul_bytes`` are the matmul outputs
     ``save_matmuls`` keeps (those no later op overwrites) that no other block holds (the others are shared
     storages ``kept_by`` it), ``matmul_spared_bytes`` how much less than ``recompute_bytes`` its recomputation
-    holds, served the kept outputs it reruns to.
+    holds, served the kept outputs it reruns to.  ``forward_spared`` / ``matmul_forward_spared``: how much less
+    than the plain forward's peak the block's forward holds checkpointed / under save_matmuls (autograd keeps
+    nothing there; save_matmuls keeps every matmul output, which may hold more: negative).
     """
 
     name: str
@@ -93,6 +95,8 @@ class ModuleProfile:
     unsaved_held_bytes: int = 0
     released_inputs: list[tuple[int, int]] = field(default_factory=list)
     matmul_spared_bytes: int = 0
+    forward_spared: int = 0
+    matmul_forward_spared: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -234,6 +238,7 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
             # save_matmuls serves its recomputation the kept matmul outputs it reruns to
             served = set(BlockPrices(graph).matmul_nodes())
             row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
+            row.forward_spared, row.matmul_forward_spared = forward_spared(graph), forward_spared(graph, matmuls(graph))
     return prof
 
 

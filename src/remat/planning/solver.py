@@ -1,9 +1,9 @@
 """The cheapest checkpointing plan that fits a memory budget.
 
-Cost model (from a :class:`~remat.planning.profile.StepProfile` of one step without checkpointing).  Each block has a
-list of :class:`BlockOption`; each option keeps some of the block's own bytes from its forward to its
-backward, costs extra time, and (if it recomputes) keeps the block's inputs and raises the block's backward
-by its recomputation's transient bytes:
+Cost model (from a :class:`~remat.planning.profile.StepProfile` of one step without checkpointing).  Each block has
+a list of :class:`BlockOption`; each option keeps some of the block's own bytes from its forward to its backward,
+costs extra time, and (if it recomputes) keeps the block's inputs and raises the block's backward by its
+recomputation's transient bytes:
 
 =================  ===========================================  ===========================================
 option             kept own bytes                               extra time
@@ -25,19 +25,21 @@ option             kept own bytes                               extra time
 inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
 block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.copies`).
 
-Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak
-``P``; with a plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each
-*shared* storage whose life the plan changes (a mask every layer takes is held once, until the backward
-of the earliest recomputing layer that takes it).  A recomputing block's backward must also fit its
-recomputation: the live bytes at its start, without the block's freed bytes, plus the transient.  The
-plan's peak is the largest segment.  Every constraint is on a prefix of the chain, so a dynamic program
-over the blocks keeping the Pareto front of (own bytes freed so far, time spent so far) for each set of
-shared storages still held finds the exact optimum of this model.
+Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak ``P``; with a
+plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each *shared* storage whose
+life the plan changes (a mask every layer takes is held once, until the backward of the earliest recomputing layer
+that takes it; what an ``nn.Sequential`` passed from child to child, once the child after has run, only while a
+block that saves it keeps it).  A recomputing block's forward holds less than ``P`` (``BlockOption.spared``: autograd
+saves nothing there) and its backward must also fit its recomputation: the live bytes at its start, without the
+block's freed bytes, plus the transient.  The plan's peak is the largest segment.  Every constraint is on a prefix
+of the chain, so a dynamic program over the blocks keeping the Pareto front of (own bytes freed so far, time spent
+so far) for each set of shared storages still held finds the exact optimum of this model.
 
-A ``segment`` option of block ``i`` with ``span`` ``s`` decides blocks ``i..i+s-1`` at once: the DP moves
-from block ``i`` to block ``i+s``, checking on the way every stretch the run decides — the forward stretches
-inside it (the run holds only its inputs there), each inner block's backward (its recomputed tensors alive
-as without a plan) and the run's recomputation on top of the live bytes when the last block's backward starts.
+A ``segment`` option of block ``i`` with ``span`` ``s`` decides blocks ``i..i+s-1`` at once: the DP moves from block
+``i`` to block ``i+s``, checking on the way every stretch the run decides — the forward stretches inside it (the run
+holds only its inputs there, each block's forward as checkpointed), each inner block's backward (its recomputed
+tensors alive as without a plan) and the run's recomputation on top of the live bytes when the last block's
+backward starts.
 """
 
 from __future__ import annotations
@@ -48,58 +50,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .baselines import rules
-from .chain import chain_options
+from .chain import chain_options, passed_on
 from .options import DEFAULT_ALLOW, BlockOption, step_extra_time
+from .placement import cheaper_placement
 from .plan import Plan
 from .profile import StepProfile
-from .units import Budget, format_bytes, parse_budget
+from .refusal import InfeasibleBudget
+from .units import Budget, parse_budget
 
 __all__ = ["InfeasibleBudget", "cheapest", "plan_from_profile", "plan_of", "predict", "predict_peak"]
-
-
-class InfeasibleBudget(ValueError):
-    """No plan fits the budget.
-
-    ``budget`` and ``smallest`` are whole-step peaks in bytes (parameters and buffers included, as
-    ``Plan.predicted_peak``); ``smallest`` is the lowest peak any plan reaches. The message states both above
-    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.  ``writing``
-    names the blocks that write in place to their inputs, which no region may start at.
-    """
-
-    def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
-                 requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = ()) -> None:
-        self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
-        asked = ""
-        if isinstance(requested, float):
-            asked = f"{requested:.0%} came to "
-        elif isinstance(requested, str):
-            asked = f"{requested} is "
-
-        # Exact bytes where rounding would print the budget and the smallest peak alike.
-        exact = format_bytes(budget) == format_bytes(smallest)
-
-        def both(total: int) -> str:
-            above = total - param_bytes
-            whole = f"{total:,} bytes" if exact else format_bytes(total)
-            if above < 0:
-                return f"{whole} whole step, less than the parameters alone ({format_bytes(param_bytes)})"
-            share = f", {above / unplanned_above:.0%} of the unplanned peak" if unplanned_above else ""
-            return f"{format_bytes(above)} above parameters{share} ({whole} whole step)"
-
-        advice = "Raise the budget to at least that, or reduce the batch / sequence length."
-        if nothing_frees:  # every option of these blocks keeps what it would free: larger blocks may not
-            advice = ("No option of these blocks frees memory (a block checkpointed alone keeps its inputs, all "
-                      "that a single layer saves); name larger blocks with modules=[...], or reduce the batch / "
-                      "sequence length.")
-        if writing:
-            shown = ", ".join(writing[:3]) + (f" and {len(writing) - 3} more" if len(writing) > 3 else "")
-            advice = (f"{shown} write in place to their inputs, so none can be checkpointed on its own (it would "
-                      "rerun from the written input): write to a copy in their forward (x = x.clone()), or name "
-                      f"larger blocks with modules=[...]. {advice if not nothing_frees else ''}").rstrip()
-        super().__init__(
-            f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
-            f"{both(smallest)}. {advice}"
-        )
 
 
 class _Accounting:
@@ -125,8 +84,12 @@ class _Accounting:
         self.takes = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.input_of) for j in range(n)]
         self.matmuls = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.kept_by) for j in range(n)]
         self.served = [sum(1 << k for k, s in enumerate(prof.shared) if j in s.served_to) for j in range(n)]
-        # checks[p]: (base, const, varying) for the segments evaluated with the decisions of blocks < p
+        self.spared = [row.forward_spared for row in prof.rows]  # a recomputing forward's, as a segment runs it
+        released = [passed_on(prof, s) for s in prof.shared]
+        # checks[p]: (base, const, varying) for the segments evaluated with the decisions of blocks < p; the
+        # forward of block p itself is forward[p], which its option lowers (a recomputing forward saves less)
         self.checks: list[list[tuple[int, int, list[tuple[int, int]]]]] = [[] for _ in range(n + 1)]
+        self.forward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n
         self.backward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's peak
         self.restart: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's start
         last_use = [-1] * len(prof.shared)
@@ -140,9 +103,12 @@ class _Accounting:
                     continue
                 # alive at the stretch's peak without a plan, though gone by its end (None: not recorded)
                 at_peak = s.at_peak[t] if s.at_peak else s.alive[t]
-                if not seg.backward:  # forward: a plan can only lengthen a life (callers hold the rest)
-                    if not (s.alive[t] or at_peak):
-                        varying.append((1 << k, s.nbytes))
+                if not seg.backward:  # forward: a plan can only lengthen a life (callers hold the rest) ...
+                    if s.alive[t] or at_peak:  # ... but an nn.Sequential let go of what it passed on
+                        if released[k] > seg.prefix:
+                            continue
+                        const -= s.nbytes
+                    varying.append((1 << k, s.nbytes))
                     continue
                 in_base = any(j < bound for j in s.saved_by)
                 if (s.alive[t] or s.outside and at_peak) and (s.outside or not in_base):
@@ -151,7 +117,9 @@ class _Accounting:
                 varying.append((1 << k, s.nbytes))
             for bit, _ in varying:
                 last_use[bit.bit_length() - 1] = max(last_use[bit.bit_length() - 1], seg.prefix)
-            if q is None:
+            if q is None and seg.label == f"forward {seg.prefix}":
+                self.forward[seg.prefix] = (seg.peak, const, varying)
+            elif q is None:
                 self.checks[seg.prefix].append((seg.peak, const, varying))
             else:
                 self.backward[q] = (seg.peak, const, varying)
@@ -224,8 +192,9 @@ class _Accounting:
         block p (each is lower by what is): block p's backward, and for a segment every stretch inside it."""
         key = (p, id(option), mask)
         if key not in self._peaks:  # asked again for every state's mask and every budget of a bisection
-            self._peaks[key] = (self.own_peak(p, option, self.own[p], 0, mask) if option.span == 1
-                                else self._segment_peak(p, option, mask))
+            self._peaks[key] = (max(self.own_peak(p, option, self.own[p], 0, mask),
+                                    self.value(self.forward[p], option.spared, mask))
+                                if option.span == 1 else self._segment_peak(p, option, mask))
         return self._peaks[key]
 
     def _segment_peak(self, p: int, option: BlockOption, mask: int) -> int:
@@ -250,6 +219,7 @@ class _Accounting:
             if q > p:
                 for check in self.checks[q]:  # inside the run's forward: the blocks before q hold only its inputs
                     peak = max(peak, self.value(check, inner, held))
+            peak = max(peak, self.value(self.forward[q], inner + self.spared[q], held if q > p else mask))
             saved |= self.saves[q]
             peak = max(peak, self.value(self.backward[q], -unsaved_inputs, held | saved))
             inner += self.own[q] - (kept if q == p else 0)
@@ -316,13 +286,10 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
     return _peak(prof, chosen), step_extra_time(prof, chosen)
 
 
-def _in_flight(chosen: Sequence[BlockOption]) -> int:
-    """Bytes the offload hooks' copies may hold on the device at once: one window for the whole step."""
-    return max((o.in_flight for o in chosen), default=0)
-
-
 def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
-    return _chain_peak(prof, chosen, accounting) + _in_flight(chosen)
+    """The chain's peak, and the bytes the offload hooks' copies may hold on the device at once: one window for the
+    whole step."""
+    return _chain_peak(prof, chosen, accounting) + max((o.in_flight for o in chosen), default=0)
 
 
 def _chain_peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: _Accounting | None = None) -> int:
@@ -450,7 +417,8 @@ def _caps(prof: StepProfile, budget: int, options: list[list[BlockOption]], acco
     cap[n] = max((bound(c) for c in accounting.checks[n]), default=0)
     for p in range(n - 1, -1, -1):
         own = prof.rows[p].own_bytes
-        need = max([bound(c) for c in accounting.checks[p]] + [bound(accounting.backward[p])])
+        need = max([bound(c) for c in accounting.checks[p]] + [bound(accounting.backward[p]),
+                                                                bound(accounting.forward[p])])
         # what the stretches a recomputing option decides (a segment's inner ones too) need freed before block p
         need = max([need] + [accounting.option_peak(p, o, every) - budget for o in options[p] if o.recomputes])
         give_back = max(0, max(o.kept - own for o in options[p]))
@@ -563,21 +531,23 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
         indices = _solve(prof, budget - window, candidates, with_cost, accounting)
         if indices is not None:
             found.append([(p, candidates[p][i]) for p, i in indices])
-    return min(found, key=lambda placed: sum(o.extra_time for _, o in placed), default=None)
+    return min(found, key=lambda placed: step_extra_time(prof, [o for _, o in placed]), default=None)
 
 
 def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
                          placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
     """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
     much time and less memory: the search merges states of many shared storages on the safe side and breaks
-    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model."""
+    ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model.  Then
+    placed among alike blocks where the copy timeline prices it cheaper (:mod:`remat.planning.placement`)."""
     accounting = _Accounting(prof)
     candidates = [] if placed is None else [placed]
     for rule in rules(options):
         if _peak(prof, rule.chosen, accounting) <= budget:
             candidates.append(list(enumerate(rule.chosen)))
-    return min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
-                                                        _peak(prof, [o for _, o in c], accounting)))
+    best = min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
+                                                      _peak(prof, [o for _, o in c], accounting)))
+    return cheaper_placement(prof, best, lambda chosen: _peak(prof, chosen, accounting))
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:

@@ -7,7 +7,11 @@ gradients are bitwise those of plain autograd):
 * :class:`save_on_cpu` — drop-in for ``torch.autograd.graph.save_on_cpu``: every saved accelerator tensor
   goes to host memory (tensors already on the CPU are kept as they are, not copied).
 * :class:`offload` — the practical one: it leaves parameters, buffers and small tensors where they are and
-  counts what it did in :attr:`offload.stats`.
+  counts what it did in :attr:`offload.stats`.  With ``outputs_of`` it moves only the outputs of chosen op
+  calls (an op overload and its call index within one entry of the context, as a
+  :class:`~remat.planning.blockpolicy.BlockPolicy` names them): a block runs as plain autograd and its
+  largest saved tensors travel, the others stay.  The choice is made afresh on each entry, from that call's
+  own ops: nothing of an earlier call decides which tensors of this one move.
 
 Neither copies a tensor whose storage belongs to a leaf that requires grad — a parameter, an input, or a view
 of one (a linear layer saves its weight's transpose): the leaf keeps that memory alive anyway, so the copy
@@ -19,11 +23,14 @@ can be pointed at ``device_type="cpu"`` to exercise its bookkeeping: it then cop
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..engine.replay import DefaultDeviceType
 from .hostcopy import HostCopies, SharedView, Stashed, engine_for
@@ -126,6 +133,9 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         device_type: which device's tensors to offload (default: the accelerator type).
         modules: modules whose parameters and buffers must never be offloaded (parameters of any
             module are recognised anyway).
+        outputs_of: ``{op overload: call indices}``: offload only saved tensors whose storage one of these op
+            calls made (counted from zero each time the context is entered, as a block's forward runs them),
+            whatever their size; None (the default): every saved tensor of ``min_bytes`` or more.
 
     Every offloader of a device type shares that type's copy engine and host pools, so buffers are reused
     from step to step and across offloaders.
@@ -135,6 +145,8 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         ...     loss = model(x).sum()
         >>> loss.backward()
         >>> off.stats.offloaded_bytes
+        >>> with remat.offload(outputs_of={torch.ops.aten.mm.default: {1}}):  # the second mm's output only
+        ...     loss = model(x).sum()
     """
 
     def __init__(
@@ -146,6 +158,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         prefetch_depth: int = PREFETCH_DEPTH,
         device_type: str | None = None,
         modules: Iterable[nn.Module] = (),
+        outputs_of: Mapping[Any, Collection[int]] | None = None,
     ) -> None:
         self.min_bytes = min_bytes
         self.device_type = device_type or DefaultDeviceType.get_device_type()
@@ -154,11 +167,22 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         self.prefetch_depth = prefetch_depth if prefetch else 0
         self.stats = OffloadStats()
         self._skip = {t.untyped_storage().data_ptr() for m in modules for t in (*m.parameters(), *m.buffers())}
+        self.outputs_of = None if outputs_of is None else {op: frozenset(calls) for op, calls in outputs_of.items()}
+        self._markers: list[_MarkOutputs] = []  # one per entry: a block run inside its own forward counts apart
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> offload:
         super().__enter__()
+        if self.outputs_of is not None:
+            marker = _MarkOutputs(self.outputs_of)
+            marker.__enter__()
+            self._markers.append(marker)
         return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.outputs_of is not None:
+            self._markers.pop().__exit__(*exc)
+        super().__exit__(*exc)
 
     @property
     def pool(self) -> HostPool | None:
@@ -166,10 +190,12 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         return self.engine.pool(self.pin_memory) if self.engine is not None else None
 
     def _should_offload(self, tensor: torch.Tensor) -> bool:
+        if self.engine is None or tensor.device.type != self.device_type:
+            return False
+        if self.outputs_of is not None:  # the chosen ops' outputs only (never a parameter or an input)
+            return bool(self._markers) and tensor.untyped_storage() in self._markers[-1].made
         return (
-            self.engine is not None
-            and tensor.device.type == self.device_type
-            and not _owned_by_a_leaf(tensor)
+            not _owned_by_a_leaf(tensor)
             and tensor.numel() * tensor.element_size() >= self.min_bytes
             and tensor.untyped_storage().data_ptr() not in self._skip
         )
@@ -188,3 +214,27 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         if type(packed) in _HANDLES:
             return self.engine.fetch(packed, self.prefetch_depth)
         return packed
+
+
+class _MarkOutputs(TorchDispatchMode):
+    """Marks the storages that chosen op calls make, counting each op's calls from zero: what an offloader with
+    ``outputs_of`` moves when autograd saves them (a view of one included)."""
+
+    def __init__(self, outputs_of: Mapping[Any, frozenset[int]]) -> None:
+        super().__init__()
+        self.outputs_of = outputs_of
+        self.counts = dict.fromkeys(outputs_of, 0)
+        # weak: a storage freed before it was saved leaves, so a later one at its address is not taken for it
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        calls = self.outputs_of.get(func)
+        if calls is not None:
+            index = self.counts[func]
+            self.counts[func] = index + 1
+            if index in calls:
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.made[t.untyped_storage()] = True
+        return out
