@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning.chain import chain_options, sequential_choice
-from remat.planning.solver import predict
-from remat.planning.timing import Clock
-from remat.planning.units import format_bytes
+from remat.planning.basics.units import format_bytes
+from remat.planning.choices.chain import chain_options, sequential_choice
+from remat.planning.measure.timing import Clock
+from remat.planning.solve.solver import predict
 
 
 def build(width: int, hidden: int, batch: int) -> tuple[nn.Sequential, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict_peak
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile, predict_peak
 
 HIDDEN = [128, 1024, 256, 512, 64, 1536, 384, 768, 192, 1280, 320, 896]
 

@@ -33,7 +33,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch
 
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.planning.memory import saved_bytes
+from remat.planning.basics.memory import saved_bytes
 from remat.policies.rules import MATMUL_OPS, save_matmuls
 from remat.tools.bench import interleaved_rounds
 

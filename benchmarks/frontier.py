@@ -21,7 +21,7 @@ predictions, which price forward and backward only.
 Peak: the whole training step's peak above parameters and buffers (gradients, activations, tensors
 recomputed in backward), measured after the timed rounds with the optimizer's state in place and not
 counted — what ``plan.predicted_peak - plan.param_bytes`` predicts. Eager rows use MemTracker; compiled rows
-use the profiler's allocation events (`remat.planning.memory.profiled_peak`), which give the same bytes on
+use the profiler's allocation events (`remat.planning.basics.memory.profiled_peak`), which give the same bytes on
 eager code. Time: median step time over no-checkpointing's in the same round (median over rounds, with the
 interquartile range of those ratios); extra time: the median over rounds of the step's time minus
 no-checkpointing's. A plan's row shows its predicted peak (and the measured peak's error against it) and its
@@ -45,11 +45,11 @@ from torch import nn
 
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.planning.memory import profiled_peak
-from remat.planning.optimizers import make_optimizer
-from remat.planning.plan import Plan
-from remat.planning.solver import InfeasibleBudget, plan_from_profile
-from remat.planning.units import format_bytes
+from remat.planning.basics.memory import profiled_peak
+from remat.planning.basics.optimizers import make_optimizer
+from remat.planning.basics.units import format_bytes
+from remat.planning.solve.plan import Plan
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile
 from remat.tools.arguments import add_optimizer_argument
 from remat.tools.bench import Chain, _cases, interleaved_rounds
 

@@ -33,7 +33,7 @@ modes in one phase, compiled ones in a second, both with plain eager as the refe
   ratios to plain.
 * Peak: ``torch.cuda.max_memory_allocated`` above the step's start (gradients included, as they are
   ``None`` at the start; the optimizer's state, which exists before the step, is not); on the CPU the
-  profiler's allocation events (``remat.planning.memory.profiled_peak``), from the same start. Both compare
+  profiler's allocation events (``remat.planning.basics.memory.profiled_peak``), from the same start. Both compare
   with ``plan.predicted_peak - plan.param_bytes``, which counts neither parameters nor optimizer state.
 * Eager modes share one model: layers are wrapped (``model.model.layers[i]`` replaced by a module that calls
   ``fn(layer, *args, **kwargs)``) or a plan applied before the step, and restored after it.  Compiled modes
@@ -66,9 +66,9 @@ from typing import Any
 import torch
 
 import remat
-from remat.planning.memory import profiled_peak
-from remat.planning.optimizers import make_optimizer
-from remat.planning.timing import Clock
+from remat.planning.basics.memory import profiled_peak
+from remat.planning.basics.optimizers import make_optimizer
+from remat.planning.measure.timing import Clock
 from remat.tools.arguments import add_optimizer_argument
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_report, beside this file however it is loaded

@@ -23,9 +23,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import remat
-from remat.planning.baselines import spread
-from remat.planning.head import head_chunk_count
-from remat.planning.options import DEFAULT_ALLOW
+from remat.planning.choices.baselines import spread
+from remat.planning.choices.options import DEFAULT_ALLOW
+from remat.planning.solve.head import head_chunk_count
 
 PLAN_FRACTIONS = (0.7, 0.5, 0.3)
 COMPILE_BUDGETS = (0.7, 0.5, 0.3)

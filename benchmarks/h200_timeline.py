@@ -2,7 +2,7 @@
 
 No GPU needed: a step profile is built from the measured rows of ``results/h200-39275ba.json`` (HF Llama, 12 x
 2048, bf16, SDPA, batch 4 x 2048; torch 2.11, one H200) and planned on remat's own cost model, copies priced on
-the timeline of :mod:`remat.planning.copies` with the link measured there.
+the timeline of :mod:`remat.planning.measure.copies` with the link measured there.
 
     python benchmarks/h200_timeline.py                      # the front beside the rules, and the targets
     python benchmarks/h200_timeline.py --no-ops             # layers as sizes only: no op-level or kept-offload options
@@ -25,7 +25,7 @@ How the profile follows the figures (peaks above the step's start, as the benchm
   layers' forwards and replays), 6 us; its per-region price, (``remat-ckpt`` - plain - 12 layers), is nil.  The
   host is taken to run ahead of the device (the op graphs' host work hidden where the kernels take longer).
   With the op graphs the planner also weighs selective points and ``keep_offload`` (a kept layer's largest
-  saved tensors in host memory), copies priced on the engine's timeline (:mod:`remat.planning.copyline`).
+  saved tensors in host memory), copies priced on the engine's timeline (:mod:`remat.planning.measure.copyline`).
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ import json
 import warnings
 from pathlib import Path
 
-from remat.planning.copies import Link
-from remat.planning.fronts import evaluate
-from remat.planning.opgraph import BlockGraph, OpProfile
-from remat.planning.options import DEFAULT_ALLOW
-from remat.planning.overheads import Overheads
-from remat.planning.profile import ModuleProfile, StepProfile
-from remat.planning.rulefront import front
-from remat.planning.solver import plan_from_profile
-from remat.planning.timeline import Segment
+from remat.planning.choices.fronts import evaluate
+from remat.planning.choices.options import DEFAULT_ALLOW
+from remat.planning.measure.copies import Link
+from remat.planning.measure.opgraph import BlockGraph, OpProfile
+from remat.planning.measure.overheads import Overheads
+from remat.planning.measure.profile import ModuleProfile, StepProfile
+from remat.planning.measure.timeline import Segment
+from remat.planning.solve.rulefront import front
+from remat.planning.solve.solver import plan_from_profile
 from remat.policies.rules import MATMUL_OPS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200-39275ba.json"

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat.planning.memory import measure_step
+from remat.planning.basics.memory import measure_step
 
 
 def build(vocab: int, hidden: int, layers: int) -> Any:
@@ -101,7 +101,7 @@ def print_head(tokens: int, args: argparse.Namespace) -> None:
 
 
 def print_step(tokens: int, args: argparse.Namespace) -> None:
-    from remat.planning.head import head_chunk_count
+    from remat.planning.solve.head import head_chunk_count
 
     model = build(args.vocab, args.hidden, args.layers)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))

@@ -27,10 +27,10 @@ import torch
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planning.blockpolicy import apply_block_policies
-from remat.planning.fronts import fronts, needed_ops, policy_for, thin_front
-from remat.planning.opgraph import profile_ops
-from remat.planning.units import format_bytes
+from remat.planning.basics.blockpolicy import apply_block_policies
+from remat.planning.basics.units import format_bytes
+from remat.planning.choices.fronts import fronts, needed_ops, policy_for, thin_front
+from remat.planning.measure.opgraph import profile_ops
 from remat.tools.bench import interleaved_rounds
 
 FRACTIONS = (0.25, 0.5, 0.75)

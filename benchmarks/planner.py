@@ -23,9 +23,9 @@ from torch import nn
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planning.discovery import candidate_modules
-from remat.planning.solver import InfeasibleBudget, plan_from_profile
-from remat.planning.units import format_bytes
+from remat.planning.basics.discovery import candidate_modules
+from remat.planning.basics.units import format_bytes
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile
 from remat.tools.bench import WideBlock
 
 FRACTIONS = (0.2, 0.35, 0.5, 0.75, 1.0)

@@ -64,7 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat import CheckpointPolicy
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.planning.optimizers import make_optimizer
+from remat.planning.basics.optimizers import make_optimizer
 from remat.policies import Policy
 from remat.policies.rules import MATMUL_OPS, save_matmuls
 from remat.tools.arguments import add_optimizer_argument

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo  # noqa: E402
 
 import remat  # noqa: E402
-from remat.planning.solver import InfeasibleBudget, plan_from_profile
-from remat.planning.units import format_bytes
+from remat.planning.basics.units import format_bytes
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile
 
 BUDGETS = (0.3, 0.5, 0.7)
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
-from remat.planning.broadcast import broadcast_plan
+from remat.planning.solve.broadcast import broadcast_plan
 
 
 def _model():

@@ -59,7 +59,7 @@ def session_timings_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def own_timings_cache(tmp_path, monkeypatch):
-    """Every test measures into a timings cache of its own (remat.planning.timecache): nothing measured by
+    """Every test measures into a timings cache of its own (remat.planning.measure.timecache): nothing measured by
     another test, or on this machine before, decides a plan here."""
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "remat-cache"))
     for name, value in _MACHINE_FREE.items():

@@ -25,11 +25,11 @@ import torch
 from fuzz_models import FuzzCase
 
 import remat
-from remat.planning.chain import chain_options
-from remat.planning.options import DEFAULT_ALLOW, BlockOption, selective_option
-from remat.planning.plan import Plan
-from remat.planning.profile import StepProfile
-from remat.planning.solver import InfeasibleBudget, plan_of
+from remat.planning.choices.chain import chain_options
+from remat.planning.choices.options import DEFAULT_ALLOW, BlockOption, selective_option
+from remat.planning.measure.profile import StepProfile
+from remat.planning.solve.plan import Plan
+from remat.planning.solve.solver import InfeasibleBudget, plan_of
 
 __all__ = ["BUDGETS", "ROW_BYTES", "CaseResult", "PlanResult", "assignment_plan", "check_case", "meta_difference",
            "random_assignment"]

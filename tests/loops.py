@@ -27,9 +27,9 @@ from torch import nn
 
 import remat
 from remat import CheckpointPolicy
-from remat.planning.blockpolicy import OpDecision, apply_block_policies
-from remat.planning.options import block_options
-from remat.planning.overheads import Overheads
+from remat.planning.basics.blockpolicy import OpDecision, apply_block_policies
+from remat.planning.choices.options import block_options
+from remat.planning.measure.overheads import Overheads
 
 WIDTH = 16
 STEPS = 4

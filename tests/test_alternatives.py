@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planning.solver import predict_peak
+from remat.planning.solve.solver import predict_peak
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Models without a repeated block are planned as a chain of segments (remat.planning.chain).
+"""Models without a repeated block are planned as a chain of segments (remat.planning.choices.chain).
 
 An ``nn.Sequential`` of Linear and GELU layers, a hand-written CNN and a U-Net-like model: the candidate units
 are their children in order, and the planner checkpoints runs of consecutive children of one ``nn.Sequential``
@@ -19,12 +19,18 @@ from torch import nn
 
 import remat
 from remat.api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
-from remat.planning.chain import chain_options, segment_options, segment_time, segment_transient, sequential_choice
-from remat.planning.discovery import NoBlocks, chain_links, chain_units, resolve_blocks
-from remat.planning.plan import Plan
-from remat.planning.profile import ModuleProfile, SharedTensor
-from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict
-from remat.planning.timeline import Segment
+from remat.planning.basics.discovery import NoBlocks, chain_links, chain_units, resolve_blocks
+from remat.planning.choices.chain import (
+    chain_options,
+    segment_options,
+    segment_time,
+    segment_transient,
+    sequential_choice,
+)
+from remat.planning.measure.profile import ModuleProfile, SharedTensor
+from remat.planning.measure.timeline import Segment
+from remat.planning.solve.plan import Plan
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile, predict
 from remat.planning.workflow import Profile
 
 
@@ -447,7 +453,7 @@ class _Scaled(nn.Module):
 def test_segments_train_as_plain_autograd_while_the_layers_change_between_steps(optimizer):
     """Each step changes what a segment runs (a scale, an activation swapped, a dropout probability, a forward
     hook added then removed, an eval forward between): loss and gradients stay bitwise plain autograd's."""
-    from remat.planning.optimizers import make_optimizer
+    from remat.planning.basics.optimizers import make_optimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(*[_Scaled() for _ in range(6)])

@@ -13,7 +13,7 @@ from test_cli import USER_MODULE
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planning.check import PlanCheck, StepCheck
-from remat.planning.overheads import Overheads
+from remat.planning.measure.overheads import Overheads
 
 CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dropout=0.1)
 

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_bitwise
 
 import remat
-from remat.planning.memory import measure_step
+from remat.planning.basics.memory import measure_step
 
 transformers = pytest.importorskip("transformers")
 from remat.integrations.transformers import enable  # noqa: E402

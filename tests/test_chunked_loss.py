@@ -13,7 +13,7 @@ from helpers import assert_bitwise
 from torch import nn
 
 import remat
-from remat.planning.memory import measure_step
+from remat.planning.basics.memory import measure_step
 
 transformers = pytest.importorskip("transformers")
 from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402

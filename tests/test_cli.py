@@ -15,8 +15,8 @@ import pytest
 from helpers import remat_cli
 
 import remat
-from remat.planning.options import ALLOWED, DEFAULT_ALLOW
-from remat.planning.units import parse_budget
+from remat.planning.basics.units import parse_budget
+from remat.planning.choices.options import ALLOWED, DEFAULT_ALLOW
 from remat.tools import demo
 from remat.tools.cli import _ALLOW, _ALLOWED, main
 from remat.tools.demo import run_demo

@@ -26,7 +26,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch
 
 import remat
 from remat.models import GPT, Block, GPTConfig
-from remat.planning.memory import saved_bytes
+from remat.planning.basics.memory import saved_bytes
 from remat.policies.rules import MATMUL_OPS, offload_names, save_all_but_names, save_matmuls, save_names
 
 PROJ = save_names("up")  # policies are built once, outside compiled code (see the last test)
@@ -219,7 +219,7 @@ def test_gpt_with_attention_and_save_matmuls_matches_torch():
 def test_a_block_policy_keeping_dropout_draws_compiles_and_recomputes_them():
     # An eager profile names dropout's in-place draws (bernoulli_); under dynamo dropout is native_dropout, and
     # in-place ops are recomputed without asking the policy: the plan compiles, its kept draws are recomputed.
-    from remat.planning.blockpolicy import BlockPolicy, OpDecision, apply_block_policies
+    from remat.planning.basics.blockpolicy import BlockPolicy, OpDecision, apply_block_policies
 
     keeps_draw = BlockPolicy("selective", [OpDecision("aten.bernoulli_.float", 0, 64 * 16 * 4, "keep")])
     ours = mlp()

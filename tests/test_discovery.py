@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from remat.planning.discovery import candidate_modules
+from remat.planning.basics.discovery import candidate_modules
 
 
 class ConvLayer(nn.Module):  # conv + norm + activation: a layer, as in Hugging Face's ResNet

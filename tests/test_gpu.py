@@ -216,7 +216,7 @@ def test_compiled_checkpoint_matches_torch_compiled_checkpoint():
 
 @cuda_only
 def test_the_host_link_is_measured_on_cuda():
-    from remat.planning.overheads import measure_overheads
+    from remat.planning.measure.overheads import measure_overheads
 
     link = measure_overheads(rounds=3, ops=8, device="cuda").link_bytes_per_s
     assert 1e9 < link < 1e12  # pinned copies: PCIe or NVLink-C2C, tens of GB/s

@@ -1,4 +1,4 @@
-"""The chunked output layer and loss as a plan option (remat.planning.head), on tiny Hugging Face causal LMs.
+"""The chunked output layer and loss as a plan option (remat.planning.solve.head), on tiny Hugging Face causal LMs.
 
 Bytes only (MemTracker on the CPU): a budget that only the chunked head reaches is planned instead of refused,
 the plan's predicted peak is within 3% of the measured one, and the plan saves, loads, applies and removes the
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import remat
-from remat.planning.head import head_chunk_count, plan_with_head
-from remat.planning.memory import measure_step
+from remat.planning.basics.memory import measure_step
+from remat.planning.solve.head import head_chunk_count, plan_with_head
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import torch
 from helpers import assert_bitwise
 
 import remat
-from remat.planning.plan import describe_model
+from remat.planning.solve.plan import describe_model
 from remat.planning.workflow import SummedLossWarning
 
 transformers = pytest.importorskip("transformers")

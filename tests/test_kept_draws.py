@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import remat
 from remat import CheckpointPolicy
 from remat.models import Block, GPTConfig
-from remat.planning.fronts import block_front, evaluate, policy_for
-from remat.planning.opgraph import profile_ops
-from remat.planning.overheads import Overheads
+from remat.planning.choices.fronts import block_front, evaluate, policy_for
+from remat.planning.measure.opgraph import profile_ops
+from remat.planning.measure.overheads import Overheads
 
 BERNOULLI = torch.ops.aten.bernoulli_.float
 FIXED = Overheads(region=2e-5, per_saved=1e-6, policy_forward=1e-6, policy_replay=5e-7, copy_per_byte=2 / 5e9)

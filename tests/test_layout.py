@@ -5,7 +5,7 @@
   (``engine <- policies <- api <- planning <- tools``; ``integrations`` above ``api``; ``models`` imports nothing
   of remat), lazy imports inside functions included, and there is no import cycle between modules.
 * Inside ``planning``, no module imports one of a later stage of ARCHITECTURE.md's numbered pipeline, and
-  every module is in one stage.
+  every module is in one stage, in that stage's subpackage.
 * Every module has a docstring; every module that defines names lists its public ones in ``__all__``, and
   every name there is defined.
 * ``import remat`` and the ``remat`` command's ``--help`` import no torch; the library proper (every module
@@ -68,7 +68,7 @@ GRAPH = {name: imports_of(name, path) for name, path in MODULES.items()}
 
 
 def subpackage(name: str) -> str:
-    """``remat.planning.plan`` -> ``planning``; ``remat.models`` -> ``models``; ``remat`` -> ``remat``."""
+    """``remat.planning.solve.plan`` -> ``planning``; ``remat.models`` -> ``models``; ``remat`` -> ``remat``."""
     parts = name.split(".")
     return parts[1] if len(parts) > 1 else "remat"
 
@@ -81,20 +81,23 @@ def documented_order() -> list[str]:
     return [part.strip() for part in line.split("<-")]
 
 
-def documented_stages() -> dict[str, int]:
-    """The planning pipeline's numbered list: each ``**module**`` in item N is in stage N."""
+def documented_stages() -> tuple[dict[str, int], dict[str, str]]:
+    """The planning pipeline's numbered list: each ``**module**`` in item N is in stage N, and in the item's
+    subpackage where the item opens with one (``1. `basics/`: ...``), else in ``planning`` itself."""
     section = ARCHITECTURE.split("## `remat/planning/`", 1)[1].split("\n## ", 1)[0]
     stages: dict[str, int] = {}
-    stage = 0
+    folders: dict[str, str] = {}
+    stage, folder = 0, ""
     for line in section.splitlines():
-        numbered = re.match(r"(\d+)\. ", line)
+        numbered = re.match(r"(\d+)\. (?:`([a-z_]+)/`)?", line)
         if numbered:
-            stage = int(numbered.group(1))
+            stage, folder = int(numbered.group(1)), numbered.group(2) or ""
         if stage:
             for module in re.findall(r"\*\*([a-z_]+)\*\*", line):
                 stages.setdefault(module, stage)
+                folders.setdefault(module, folder)
     assert stages, "ARCHITECTURE.md's planning section has no numbered stages naming **modules**"
-    return stages
+    return stages, folders
 
 
 def allowed_imports() -> dict[str, set[str]]:
@@ -136,12 +139,16 @@ def test_imports_flow_one_way_between_subpackages():
 
 
 def test_planning_modules_import_no_later_stage():
-    stages = documented_stages()
-    planning = {name.rpartition(".")[2]: name for name in MODULES if name.startswith("remat.planning.")}
+    stages, folders = documented_stages()
+    planning = {name.rpartition(".")[2]: name for name in MODULES
+                if name.startswith("remat.planning.") and MODULES[name].name != "__init__.py"}
     unplaced = sorted(set(planning) - set(stages))
     assert not unplaced, f"planning modules in no stage of ARCHITECTURE.md's pipeline: {unplaced}"
     unknown = sorted(set(stages) - set(planning))
     assert not unknown, f"ARCHITECTURE.md's pipeline names modules planning does not have: {unknown}"
+    misplaced = sorted(f"{name} (ARCHITECTURE.md: planning/{folders[short]})" for short, name in planning.items()
+                       if name != ".".join(filter(None, ("remat.planning", folders[short], short))))
+    assert not misplaced, f"planning modules outside their stage's subpackage: {misplaced}"
     wrong = [
         f"{short} (stage {stages[short]}) imports {dep.rpartition('.')[2]} (stage {stages[dep.rpartition('.')[2]]})"
         for short, name in planning.items()

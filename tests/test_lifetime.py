@@ -11,7 +11,7 @@ from helpers import MLPStack, assert_bitwise, grads
 import remat
 from remat import CheckpointPolicy
 from remat.engine.nonreentrant import _Frame, _Placeholder
-from remat.planning.memory import measure_step
+from remat.planning.basics.memory import measure_step
 from remat.policies import Policy
 
 

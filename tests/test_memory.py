@@ -7,7 +7,7 @@ import remat
 
 def test_profiled_peak_gives_memtrackers_bytes_on_eager_code():
     from remat.models import GPT, GPTConfig, synthetic_batch
-    from remat.planning.memory import profiled_peak
+    from remat.planning.basics.memory import profiled_peak
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layers=2, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dropout=0.0)
@@ -53,7 +53,7 @@ def test_a_shared_block_argument_does_not_hold_gradients_in_the_measurement():
     """MemTracker's module hooks keep each block's input gradient until the shared argument's is complete (the
     end of backward); the step without them frees it as soon as the block before has used it. measure_step
     counts the step's own peak: the allocator's events agree to the byte."""
-    from remat.planning.memory import profiled_peak
+    from remat.planning.basics.memory import profiled_peak
 
     torch.manual_seed(0)
     model, x = _SharedContext(), torch.randn(128, 64)

@@ -99,7 +99,7 @@ def test_meta_profiles_of_hugging_face_models_are_exact(family, attn):
 
 
 def test_attention_on_meta_takes_the_kernel_the_cpu_takes():
-    from remat.planning.metadata import MetaKernels
+    from remat.planning.basics.metadata import MetaKernels
 
     q = torch.empty(2, 4, 16, 8, device="meta", requires_grad=True)
     kv = torch.empty(2, 2, 16, 8, device="meta", requires_grad=True)

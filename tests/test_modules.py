@@ -10,7 +10,7 @@ from torch import nn
 import remat
 from remat.api.modules import CheckpointImpl, checkpoint_wrapper
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.planning.blockpolicy import BlockPolicy, OpDecision
+from remat.planning.basics.blockpolicy import BlockPolicy, OpDecision
 
 CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=16, vocab_size=64)
 

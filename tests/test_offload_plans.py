@@ -2,7 +2,7 @@
 copy engine's timeline, and placed where the timeline prefers.
 
 Correctness runs on the CPU (the copies synchronous, through host buffers) and on the fake device (simulated
-streams, where a host wait would show in its log).  The timeline (:mod:`remat.planning.copyline`) is checked
+streams, where a host wait would show in its log).  The timeline (:mod:`remat.planning.measure.copyline`) is checked
 against the engine itself on the fake device's clock.
 """
 
@@ -17,16 +17,16 @@ from helpers import assert_bitwise
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planning.blockpolicy import BlockPolicy, OpDecision, apply_block_policies
-from remat.planning.copies import MODELLED_LINK, Link
-from remat.planning.copyline import Copy, simulate
-from remat.planning.keptoffload import LEVELS, keep_offload_options, offload_candidates
-from remat.planning.options import BlockOption, step_extra_time
-from remat.planning.placement import cheaper_placement
-from remat.planning.plan import Plan
-from remat.planning.profile import ModuleProfile, StepProfile
-from remat.planning.solver import predict
-from remat.planning.timeline import Segment
+from remat.planning.basics.blockpolicy import BlockPolicy, OpDecision, apply_block_policies
+from remat.planning.choices.keptoffload import LEVELS, keep_offload_options, offload_candidates
+from remat.planning.choices.options import BlockOption, step_extra_time
+from remat.planning.choices.placement import cheaper_placement
+from remat.planning.measure.copies import MODELLED_LINK, Link
+from remat.planning.measure.copyline import Copy, simulate
+from remat.planning.measure.profile import ModuleProfile, StepProfile
+from remat.planning.measure.timeline import Segment
+from remat.planning.solve.plan import Plan
+from remat.planning.solve.solver import predict
 from remat.policies.hostcopy import use_device_model
 
 CFG = GPTConfig(n_layers=3, d_model=256, n_heads=2, seq_len=128, vocab_size=64, dropout=0.0)  # 1-4 MiB saved tensors
@@ -260,8 +260,8 @@ def test_the_h200_simulation_with_op_graphs_is_calibrated_and_weighs_kept_offloa
     import sys
     from pathlib import Path
 
-    from remat.planning.chain import chain_options
-    from remat.planning.fronts import evaluate
+    from remat.planning.choices.chain import chain_options
+    from remat.planning.choices.fronts import evaluate
     from remat.policies.rules import MATMUL_OPS
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "h200_timeline.py"
@@ -293,7 +293,7 @@ def test_the_h200_simulation_with_op_graphs_is_calibrated_and_weighs_kept_offloa
 def test_a_plans_measured_peak_falls_with_each_level_and_stays_within_its_prediction():
     import torch.nn.functional as F
 
-    from remat.planning.solver import plan_of
+    from remat.planning.solve.solver import plan_of
 
     torch.manual_seed(0)
     model = GPT(CFG)

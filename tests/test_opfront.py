@@ -12,10 +12,24 @@ from torch import nn
 
 import remat
 from remat.models import GPT, Block, GPTConfig, synthetic_batch
-from remat.planning.blockpolicy import BlockPolicy, OpDecision, apply_block_policies, remove_block_policies, resolve_op
-from remat.planning.fronts import block_front, evaluate, fronts, needed_ops, offload_twins, policy_for, thin_front
-from remat.planning.opgraph import profile_ops
-from remat.planning.overheads import Overheads, measure_overheads
+from remat.planning.basics.blockpolicy import (
+    BlockPolicy,
+    OpDecision,
+    apply_block_policies,
+    remove_block_policies,
+    resolve_op,
+)
+from remat.planning.choices.fronts import (
+    block_front,
+    evaluate,
+    fronts,
+    needed_ops,
+    offload_twins,
+    policy_for,
+    thin_front,
+)
+from remat.planning.measure.opgraph import profile_ops
+from remat.planning.measure.overheads import Overheads, measure_overheads
 from remat.tools.bench import WideBlock
 
 # Fixed machinery costs and CPU-like roofline times keep every front here independent of the machine's timing.

@@ -9,8 +9,8 @@ from helpers import assert_bitwise
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planning.options import block_options
-from remat.planning.overheads import Overheads
+from remat.planning.choices.options import block_options
+from remat.planning.measure.overheads import Overheads
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +164,8 @@ def test_a_plan_that_offloads_blocks_counts_one_window_of_copies_in_flight(case,
     import copy
     import dataclasses
 
-    from remat.planning.options import block_options
-    from remat.planning.solver import _peak
+    from remat.planning.choices.options import block_options
+    from remat.planning.solve.solver import _peak
     from remat.policies.hostcopy import engine_for
 
     _, _, _, prof = case

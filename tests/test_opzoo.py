@@ -20,10 +20,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 import remat
-from remat.planning.blockpolicy import BlockPolicy, apply_block_policies, remove_block_policies
-from remat.planning.discovery import candidate_modules
-from remat.planning.fronts import block_front, policy_for
-from remat.planning.overheads import Overheads
+from remat.planning.basics.blockpolicy import BlockPolicy, apply_block_policies, remove_block_policies
+from remat.planning.basics.discovery import candidate_modules
+from remat.planning.choices.fronts import block_front, policy_for
+from remat.planning.measure.overheads import Overheads
 from remat.policies.decisions import SAC_IGNORED_OPS
 
 # By default a decoder and a convnet with batch norm: the encoder-decoder's front takes a minute here, and

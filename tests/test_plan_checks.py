@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import remat
-from remat.planning.plan import describe_model
+from remat.planning.solve.plan import describe_model
 
 transformers = pytest.importorskip("transformers")
 

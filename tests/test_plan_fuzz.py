@@ -13,8 +13,8 @@ from fuzz_models import PATTERNS, make_case
 from torch import nn
 
 import remat
-from remat.planning.chain import chain_options, passed_on
-from remat.planning.options import selective_option
+from remat.planning.choices.chain import chain_options, passed_on
+from remat.planning.choices.options import selective_option
 
 SEEDS = range(40)
 # Random assignments take every option a block has on the CPU: checkpoint, save_matmuls, selective policies that

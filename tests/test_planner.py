@@ -14,13 +14,13 @@ from torch import nn
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
-from remat.planning.metadata import NeedsRealData
-from remat.planning.options import block_options
-from remat.planning.plan import Plan
-from remat.planning.profile import ModuleProfile, SharedTensor
-from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict_peak
-from remat.planning.timeline import Segment
-from remat.planning.units import Budget, parse_budget
+from remat.planning.basics.metadata import NeedsRealData
+from remat.planning.basics.units import Budget, parse_budget
+from remat.planning.choices.options import block_options
+from remat.planning.measure.profile import ModuleProfile, SharedTensor
+from remat.planning.measure.timeline import Segment
+from remat.planning.solve.plan import Plan
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile, predict_peak
 from remat.planning.workflow import Profile, SummedLossWarning
 from remat.tools.bench import ConvBlock, WideBlock
 
@@ -277,7 +277,7 @@ import resource, sys
 import torch, torch.nn.functional as F
 import remat
 from remat.models import GPT, GPTConfig
-from remat.planning.solver import plan_from_profile
+from remat.planning.solve.solver import plan_from_profile
 cfg = GPTConfig(vocab_size=50257, seq_len=2048, d_model=24576, n_heads=96, n_layers=6)
 with torch.device("meta"):
     model = GPT(cfg)
@@ -421,7 +421,7 @@ def test_a_tighter_budget_never_predicts_a_cheaper_plan():
 
 def test_custom_options_plug_into_the_chain():
     """More options per block (e.g. op-level policies) are a list per block, keep first."""
-    from remat.planning.options import BlockOption
+    from remat.planning.choices.options import BlockOption
 
     prof = _synthetic(6, seed=2)
     options = block_options(prof, ("checkpoint",))
@@ -445,8 +445,8 @@ def test_refusal_prints_exact_bytes_when_rounding_would_hide_the_gap():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_plans_that_offload_blocks_are_optimal_with_one_window_for_the_step(seed):
-    from remat.planning.options import BlockOption
-    from remat.planning.solver import _peak
+    from remat.planning.choices.options import BlockOption
+    from remat.planning.solve.solver import _peak
 
     prof = _synthetic(5, seed)
     options = []
@@ -461,7 +461,7 @@ def test_plans_that_offload_blocks_are_optimal_with_one_window_for_the_step(seed
         costs = [sum(o.extra_time for o in chosen) for chosen in itertools.product(*options)
                  if _peak(prof, chosen) <= budget]
         try:
-            got = remat.planning.solver.plan_from_profile(prof, budget, options=options)
+            got = remat.planning.solve.solver.plan_from_profile(prof, budget, options=options)
         except remat.InfeasibleBudget:
             assert not costs
             continue

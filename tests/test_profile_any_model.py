@@ -165,7 +165,7 @@ def test_nested_containers_plan_layer_by_layer():
 def test_repeated_sequential_stages_stay_blocks():
     """Plain containers of one structure are one block repeated: they stay the unit of the plan."""
     model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32)) for _ in range(4)))
-    assert [name for name, _ in remat.planning.discovery.candidate_modules(model)] == ["0", "1", "2", "3"]
+    assert [name for name, _ in remat.planning.basics.discovery.candidate_modules(model)] == ["0", "1", "2", "3"]
 
 
 def _make_divisible(value: float, divisor: int = 8) -> int:

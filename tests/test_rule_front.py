@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning.baselines import rules, spread
-from remat.planning.chain import chain_options
-from remat.planning.copies import MODELLED_LINK, Link, copy_waits, link_for, prefetch_wait
-from remat.planning.options import block_options
-from remat.planning.plan import _WRAPPERS
-from remat.planning.profile import ModuleProfile
-from remat.planning.rulefront import front
-from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict
-from remat.planning.timeline import Segment
+from remat.planning.choices.baselines import rules, spread
+from remat.planning.choices.chain import chain_options
+from remat.planning.choices.options import block_options
+from remat.planning.measure.copies import MODELLED_LINK, Link, copy_waits, link_for, prefetch_wait
+from remat.planning.measure.profile import ModuleProfile
+from remat.planning.measure.timeline import Segment
+from remat.planning.solve.plan import _WRAPPERS
+from remat.planning.solve.rulefront import front
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile, predict
 from remat.planning.workflow import Profile
 
 MIB = 1 << 20
@@ -162,7 +162,7 @@ def test_profile_front_prints_plans_beside_rules():
 
 
 def test_the_link_is_measured_once_per_process_and_kept_with_the_timings(monkeypatch, tmp_path):
-    from remat.planning import copies
+    from remat.planning.measure import copies
 
     measured = []
 

@@ -2,7 +2,7 @@
 
 Three processes profile and plan the same small GPT at once, beside one another (the machine is loaded by
 them); their plans (decisions and every op-level policy) must be identical.  What makes them so: measured
-times are kept per machine (:mod:`remat.planning.timecache`), and processes that profile at once wait for
+times are kept per machine (:mod:`remat.planning.measure.timecache`), and processes that profile at once wait for
 the first and read what it measured.  Measuring afresh replaces those times.
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import remat
-from remat.planning import opgraph
-from remat.planning.timecache import cache_dir
+from remat.planning.measure import opgraph
+from remat.planning.measure.timecache import cache_dir
 
 _PLAN = """
 import json
@@ -69,7 +69,7 @@ def test_timings_are_measured_once_per_machine_and_again_when_asked(monkeypatch)
     assert len(timed) == 1  # three blocks alike: one timing, shared
     again = remat.profile_ops(_model(), x, repeats=2)
     assert len(timed) == 1 and again.blocks["0"].nodes == first.blocks["0"].nodes
-    with remat.planning.timecache.measuring_afresh():
+    with remat.planning.measure.timecache.measuring_afresh():
         remat.profile_ops(_model(), x, repeats=2)
     assert len(timed) == 2
     assert (cache_dir() / "timings.json").exists()
@@ -118,9 +118,9 @@ def _scripted(monkeypatch, step_seconds: float, block_forward: float = 1e-3, spr
               step_spread: float = 0.0) -> list[str]:
     """This process's step takes ``step_seconds`` and each block's forward ``block_forward``, as scripted; returns
     the names of the blocks timed."""
-    from remat.planning import profile as profile_module
-    from remat.planning.timecache import StepTime
-    from remat.planning.timing import OpTimes
+    from remat.planning.measure import profile as profile_module
+    from remat.planning.measure.timecache import StepTime
+    from remat.planning.measure.timing import OpTimes
 
     timed = []
 
@@ -155,7 +155,7 @@ def test_a_poisoned_cached_timing_is_caught_and_measured_again_with_one_line(mon
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prof = _profile()
-    stale = [w for w in caught if issubclass(w.category, remat.planning.timecache.StaleTimings)]
+    stale = [w for w in caught if issubclass(w.category, remat.planning.measure.timecache.StaleTimings)]
     assert len(timed) == 2 * measured and len(stale) == 1 and stale[0].filename == __file__
     message = str(stale[0].message)
     assert "\n" not in message and message.startswith("remat.profile: the cached timings of 0 and 2 more blocks are "
@@ -190,7 +190,7 @@ def test_a_plan_prints_the_share_of_the_step_its_prices_came_from(monkeypatch):
     assert str(plans[0]).splitlines()[-1] == str(plans[1]).splitlines()[-1] and "%)" in str(plans[0])
     assert plans[0].step_time == plans[1].step_time == pytest.approx(10e-3)
     timed = _scripted(monkeypatch, step_seconds=40e-3)  # four times the step cached with the prices: stale
-    with pytest.warns(remat.planning.timecache.StaleTimings, match="the training step measured with them took "
+    with pytest.warns(remat.planning.measure.timecache.StaleTimings, match="the training step measured with them took "
                       "10.0 ms, this process's 40.0 ms"):
         moved = _profile()
     assert timed and moved.step_time == pytest.approx(40e-3)

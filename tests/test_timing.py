@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from remat.planning import opgraph, timing
-from remat.planning.opgraph import profile_ops
-from remat.planning.overheads import Overheads
-from remat.planning.prices import BlockPrices
-from remat.planning.timing import Clock, _cpu_clock, op_cost, time_ops
+from remat.planning.measure import opgraph, timing
+from remat.planning.measure.opgraph import profile_ops
+from remat.planning.measure.overheads import Overheads
+from remat.planning.measure.prices import BlockPrices
+from remat.planning.measure.timing import Clock, _cpu_clock, op_cost, time_ops
 from remat.tools.bench import interleaved_rounds
 
 

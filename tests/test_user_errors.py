@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import remat
-from remat.planning.plan import PlanFileError, describe_model
-from remat.planning.units import parse_budget
+from remat.planning.basics.units import parse_budget
+from remat.planning.solve.plan import PlanFileError, describe_model
 from remat.planning.workflow import SummedLossWarning
 from remat.tools.cli import main
 
@@ -377,7 +377,7 @@ def test_the_first_forward_at_another_shape_warns_once_naming_both_shapes():
 
 def _unsteady(monkeypatch):
     """Every block's timed forwards vary by half their median: the profile warns (UnsteadyTimings)."""
-    from remat.planning import opgraph
+    from remat.planning.measure import opgraph
 
     real = opgraph._time_block
     monkeypatch.setattr(opgraph, "_time_block", lambda *a: opgraph.replace(real(*a), spread=0.5))

@@ -16,8 +16,8 @@ import zoo
 from helpers import assert_bitwise
 
 import remat
-from remat.planning.discovery import candidate_modules
-from remat.planning.solver import InfeasibleBudget, plan_from_profile, predict_peak
+from remat.planning.basics.discovery import candidate_modules
+from remat.planning.solve.solver import InfeasibleBudget, plan_from_profile, predict_peak
 
 MODELS = zoo.model_params()
 BUDGETS = (0.3, 0.5, 0.7)

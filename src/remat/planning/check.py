@@ -2,7 +2,7 @@
 
 :func:`check_plan` trains two copies of the model for a few steps, from the same weights, batches and seeds,
 with an optimizer stepping between them: one copy under the plan, one without checkpointing.  Every step's
-peak is measured as :func:`~remat.planning.memory.measure_step` measures it (MemTracker's bytes above
+peak is measured as :func:`~remat.planning.basics.memory.measure_step` measures it (MemTracker's bytes above
 parameters and buffers) on the CPU, and as the allocator's peak above the step's start on an accelerator; its
 forward and backward are timed on the device's clock.  A plan holds when every step of the planned copy
 peaks within 3% of the predicted peak and its gradients equal the unplanned copy's; its extra time is
@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ..api.chunkedloss import chunked_tolerance
-from .kvcache import cache_off_in_training
-from .memory import measure_step
-from .optimizers import OPTIMIZERS, make_optimizer
-from .plan import Plan
-from .profile import default_loss
-from .timing import Clock, device_of
-from .units import format_bytes
+from .basics.kvcache import cache_off_in_training
+from .basics.memory import measure_step
+from .basics.optimizers import OPTIMIZERS, make_optimizer
+from .basics.units import format_bytes
+from .measure.profile import default_loss
+from .measure.timing import Clock, device_of
+from .solve.plan import Plan
 
 __all__ = ["OPTIMIZERS", "PEAK_TOLERANCE", "TIME_TOLERANCE", "PlanCheck", "StepCheck", "check_plan"]
 
@@ -267,7 +267,7 @@ def check_plan(
     itself is left as it was), from identical weights, on ``model(*inputs, **input_kwargs)`` at every step,
     with the same dropout draws (``torch.manual_seed(seed + step)``).  ``plan``: a :class:`Plan` or the path
     of one saved by :meth:`Plan.save`; it is checked against the model first (ValueError if it was made for
-    another).  ``optimizer``: a name from :data:`~remat.planning.optimizers.OPTIMIZERS` (``"adamw"``: lr 1e-3,
+    another).  ``optimizer``: a name from :data:`~remat.planning.basics.optimizers.OPTIMIZERS` (``"adamw"``: lr 1e-3,
     foreach; ``"sgd"``: lr 1e-2, momentum 0.9; ``"adamw-fused"``) or a function from the parameters to an
     optimizer.  ``loss_fn(output)`` is the loss, as in :func:`remat.profile` (default: the
     output's ``.loss``, or the sum of its floating tensors).  ``on_step`` is called with each step's row.

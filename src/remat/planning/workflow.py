@@ -18,20 +18,20 @@ import torch
 from torch import nn
 
 from ..api.sequential import checkpointed_runs
-from .alternatives import plan_for
-from .discovery import chain_links, resolve_blocks
-from .head import HeadOption, alternatives_with_head, measure_head, plan_with_head
-from .inputs import describe_inputs
-from .kvcache import cache_off
-from .metadata import MetaData, MetaKernels, NeedsRealData
-from .options import DEFAULT_ALLOW
-from .plan import Plan, describe_model
-from .profile import StepProfile, default_loss, measure
-from .rulefront import Front, front
-from .timecache import measuring_afresh
-from .units import Budget, parse_budget
-from .untouched import left_as_found
-from .userline import user_stacklevel
+from .basics.discovery import chain_links, resolve_blocks
+from .basics.inputs import describe_inputs
+from .basics.kvcache import cache_off
+from .basics.metadata import MetaData, MetaKernels, NeedsRealData
+from .basics.units import Budget, parse_budget
+from .basics.untouched import left_as_found
+from .basics.userline import user_stacklevel
+from .choices.options import DEFAULT_ALLOW
+from .measure.profile import StepProfile, default_loss, measure
+from .measure.timecache import measuring_afresh
+from .solve.alternatives import plan_for
+from .solve.head import HeadOption, alternatives_with_head, measure_head, plan_with_head
+from .solve.plan import Plan, describe_model
+from .solve.rulefront import Front, front
 
 __all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile", "refuse_checkpointed"]
 
@@ -52,7 +52,7 @@ class SummedLossWarning(UserWarning):
 class Profile(StepProfile):
     """The result of :func:`profile`: what one step keeps per block, and the prices of each option.
 
-    ``model_meta`` is what was profiled (:func:`~remat.planning.plan.describe_model`); plans made from this
+    ``model_meta`` is what was profiled (:func:`~remat.planning.solve.plan.describe_model`); plans made from this
     profile carry it in ``Plan.meta`` and check it when applied.
 
     Example:
@@ -86,8 +86,8 @@ class Profile(StepProfile):
                      allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
         """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first, the first being
         :meth:`plan`'s: the runners-up a run on a machine whose timings moved might pick, to check them all
-        (:func:`~remat.planning.alternatives.plans_near`, with the chunked head's timeline too where the profile
-        has one: :mod:`remat.planning.head`).
+        (:func:`~remat.planning.solve.alternatives.plans_near`, with the chunked head's timeline too where the profile
+        has one: :mod:`remat.planning.solve.head`).
 
         Example:
             >>> for p in prof.alternatives("50%", count=3):
@@ -98,7 +98,7 @@ class Profile(StepProfile):
     def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
         """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
         ``segments`` as one region, with its predicted peak and extra time
-        (:func:`~remat.planning.alternatives.plan_for`).
+        (:func:`~remat.planning.solve.alternatives.plan_for`).
 
         Example:
             >>> every_other = prof.price({"blocks.0": "checkpoint", "blocks.2": "checkpoint"})
@@ -112,7 +112,7 @@ class Profile(StepProfile):
 
     def front(self, budgets: Sequence[Budget | int | float | str] = (), allow: Sequence[str] | None = None) -> Front:
         """remat's plans beside the rules people checkpoint by (every-k spread for each n, every block,
-        offloaded inputs), each as predicted peak and extra time (:mod:`remat.planning.rulefront`).
+        offloaded inputs), each as predicted peak and extra time (:mod:`remat.planning.solve.rulefront`).
 
         Example:
             >>> print(prof.front(budgets=("50%", "30%")))
@@ -140,7 +140,7 @@ def profile(
     clock, medians over ``repeats`` rounds, and every option is priced from each block's op graph
     (:func:`remat.profile_ops`); ``ops=True`` keeps the graphs in ``.ops``, from which plans draw their op-level
     ``selective`` options.  Measured times are kept per machine and reused by later profiles of the same blocks
-    (:mod:`remat.planning.timecache`), so the same model, inputs and budget give the same plan from one run to
+    (:mod:`remat.planning.measure.timecache`), so the same model, inputs and budget give the same plan from one run to
     the next; ``fresh_timings=True`` measures again.  A Hugging Face model with ``use_cache=True`` is
     profiled with the cache off, as transformers trains with gradient checkpointing (one warning; its config
     is left as it was).
@@ -150,8 +150,8 @@ def profile(
     the kernel the CPU picks), times are FLOPs
     (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
     checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
-    (:class:`~remat.planning.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
-    values is refused with a :class:`~remat.planning.metadata.NeedsRealData` saying where.
+    (:class:`~remat.planning.basics.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
+    values is refused with a :class:`~remat.planning.basics.metadata.NeedsRealData` saying where.
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)       # a Hugging Face model
@@ -350,7 +350,7 @@ def plan(
 
     ``budget``: a fraction of the unplanned step's peak above the parameters (``0.5`` or ``"50%"``), or the
     whole step's peak as a size (``"8GiB"``, ``"512MB"``) or bytes (an int; 1 to 100 is refused: did you mean
-    50%?); the ``remat`` command reads it the same way (:func:`~remat.planning.units.parse_budget`).  ``allow``
+    50%?); the ``remat`` command reads it the same way (:func:`~remat.planning.basics.units.parse_budget`).  ``allow``
     lists the options a block may take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective``
     (op-level: keep chosen op outputs of the block, recompute the rest; needs one more forward to record the op
     graphs) and ``offload`` (only considered on an accelerator).  For several budgets, profile once and call

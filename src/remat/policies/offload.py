@@ -9,7 +9,7 @@ gradients are bitwise those of plain autograd):
 * :class:`offload` — the practical one: it leaves parameters, buffers and small tensors where they are and
   counts what it did in :attr:`offload.stats`.  With ``outputs_of`` it moves only the outputs of chosen op
   calls (an op overload and its call index within one entry of the context, as a
-  :class:`~remat.planning.blockpolicy.BlockPolicy` names them): a block runs as plain autograd and its
+  :class:`~remat.planning.basics.blockpolicy.BlockPolicy` names them): a block runs as plain autograd and its
   largest saved tensors travel, the others stay.  The choice is made afresh on each entry, from that call's
   own ops: nothing of an earlier call decides which tensors of this one move.
 

@@ -9,7 +9,7 @@ import argparse
 import os
 from collections.abc import Callable
 
-from ..planning.optimizers import OPTIMIZERS
+from ..planning.basics.optimizers import OPTIMIZERS
 
 __all__ = ["add_optimizer_argument", "at_least", "fraction_below_one", "writable_file"]
 
@@ -73,7 +73,7 @@ def writable_file(text: str) -> str:
 
 
 def add_optimizer_argument(parser: argparse.ArgumentParser) -> None:
-    """``--optimizer``, one of :data:`~remat.planning.optimizers.OPTIMIZERS`: shared by every command and
+    """``--optimizer``, one of :data:`~remat.planning.basics.optimizers.OPTIMIZERS`: shared by every command and
     benchmark that trains."""
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                         help="the optimizer stepping between steps: adamw (the default; lr 1e-3, foreach), sgd "

@@ -7,11 +7,11 @@ Run by hand (never in CI as a timed test):
 
 Each case builds one model and times a full training step (forward + backward)
 under every variant on the device's clock (CUDA events on a GPU, the CPU's
-clock on the CPU: see :mod:`remat.planning.timing`), interleaved round-robin so
+clock on the CPU: see :mod:`remat.planning.measure.timing`), interleaved round-robin so
 that machine noise hits all variants alike; warm-up rounds are excluded and the
 median of ``--repeats``
 rounds is reported with its spread (interquartile range).  After every timed step
-the optimizer (``--optimizer``, AdamW by default: :mod:`remat.planning.optimizers`)
+the optimizer (``--optimizer``, AdamW by default: :mod:`remat.planning.basics.optimizers`)
 steps the case's parameters, untimed, as a training loop would (``tiny`` has no
 parameters to step).  Peak memory is MemTracker's whole-step peak minus
 parameters and buffers, measured once per variant after the timed rounds, with
@@ -34,9 +34,9 @@ from torch import nn
 
 from ..api.checkpoint import checkpoint
 from ..models import Block, GPTConfig
-from ..planning.memory import measure_step
-from ..planning.optimizers import make_optimizer
-from ..planning.timing import Clock, device_of
+from ..planning.basics.memory import measure_step
+from ..planning.basics.optimizers import make_optimizer
+from ..planning.measure.timing import Clock, device_of
 from .arguments import add_optimizer_argument, at_least, writable_file
 
 __all__ = ["VARIANTS", "Chain", "format_table", "interleaved_rounds", "main", "run_case"]
@@ -161,7 +161,7 @@ def interleaved_rounds(steps: dict[str, Callable[[], object]], rounds: int, warm
                        after: Mapping[str, Callable[[], object]] | None = None) -> list[dict[str, float]]:
     """Device seconds each step took, round by round: every step once per round, the order rotated.
 
-    Times are taken on ``device``'s clock (:class:`~remat.planning.timing.Clock`: events on an
+    Times are taken on ``device``'s clock (:class:`~remat.planning.measure.timing.Clock`: events on an
     accelerator, read after one synchronize per round; the CPU's clock on the CPU).  Rounds are seeded
     (``torch.manual_seed(round)``) so every step sees the same dropout masks in a round; the ``warmup``
     first rounds are run and dropped.  Pair steps within a round (``r[a] / r[b]``) to cancel the machine's

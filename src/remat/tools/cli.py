@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..planning.units import Budget, parse_budget
+from ..planning.basics.units import Budget, parse_budget
 from .arguments import add_optimizer_argument, at_least, fraction_below_one, writable_file
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ __all__ = ["main"]
 
 _ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
 _ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload")
-"""``remat.planning.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
+"""``remat.planning.choices.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
 no torch (test_cli checks that they agree)."""
 
 
@@ -310,7 +310,7 @@ def _profile_cmd(args: argparse.Namespace) -> int:
 
 
 def _plan_cmd(args: argparse.Namespace) -> int:
-    from ..planning.solver import InfeasibleBudget
+    from ..planning.solve.solver import InfeasibleBudget
 
     if args.output and len(args.budget) > 1:
         raise UserError("-o writes one plan: give a single --budget with it")
@@ -340,7 +340,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
 
 def _load_plan(path: str):
     """The plan file ``path``, loaded; a missing file, or one that is not a plan, is told alike in every command."""
-    from ..planning.plan import Plan, PlanFileError
+    from ..planning.solve.plan import Plan, PlanFileError
 
     try:
         return Plan.load(path)
@@ -355,8 +355,8 @@ def _check_cmd(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan)
     from rich.table import Table
 
+    from ..planning.basics.units import format_bytes
     from ..planning.check import check_plan, grads_cell
-    from ..planning.units import format_bytes
 
     model, inputs, kwargs = _model_and_inputs(args)
     _check_forward(model, inputs, kwargs, args)

@@ -7,7 +7,7 @@ checkpointed, every block with ``save_matmuls``, and the planner's plan at a
 budget, which may keep chosen op outputs of a block (``selective``).
 
 Each step is timed from zeroing the gradients to the end of backward; the
-optimizer's step (AdamW by default, :mod:`remat.planning.optimizers`) follows it,
+optimizer's step (AdamW by default, :mod:`remat.planning.basics.optimizers`) follows it,
 untimed.  The peak is measured after training, with the optimizer's state in
 place and not counted: the figure the plan predicts.
 """
@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 from ..api.modules import apply_activation_checkpointing
 from ..models import GPT, Block, GPTConfig, synthetic_batch
-from ..planning.memory import measure_step
-from ..planning.optimizers import make_optimizer
-from ..planning.options import block_options
-from ..planning.plan import Plan
-from ..planning.solver import InfeasibleBudget, plan_from_profile
-from ..planning.timeline import live_bytes_timeline
-from ..planning.units import format_bytes
+from ..planning.basics.memory import measure_step
+from ..planning.basics.optimizers import make_optimizer
+from ..planning.basics.units import format_bytes
+from ..planning.choices.options import block_options
+from ..planning.measure.timeline import live_bytes_timeline
+from ..planning.solve.plan import Plan
+from ..planning.solve.solver import InfeasibleBudget, plan_from_profile
 from ..planning.workflow import Profile
 from ..planning.workflow import profile as run_profile
 from ..policies.rules import save_matmuls
@@ -147,7 +147,7 @@ def run_demo(
 ) -> tuple[list[ModeResult], Profile, Plan]:
     """Train ``steps`` steps per mode from identical starting points; return the measurements, profile and plan.
 
-    ``optimizer`` names one of :data:`remat.planning.optimizers.OPTIMIZERS`.
+    ``optimizer`` names one of :data:`remat.planning.basics.optimizers.OPTIMIZERS`.
 
     Example:
         >>> results, prof, plan = run_demo(GPTConfig(n_layers=2, seq_len=32), batch_size=2, steps=2)

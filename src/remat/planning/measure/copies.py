@@ -11,7 +11,7 @@ out when it starts), the stretch after the last block (head and loss), then the 
 each a recomputation (its price) and its backward (twice its forward: the two matmuls per forward one).
 
 The link's bandwidth, each way, is measured once per process on an accelerator and kept in the timings file
-(:mod:`remat.planning.timecache`), like the ops' times; where there is nothing to measure (the CPU, the meta
+(:mod:`remat.planning.measure.timecache`), like the ops' times; where there is nothing to measure (the CPU, the meta
 device) :data:`MODELLED_LINK` stands in: the pinned copies measured on an NVIDIA H200 (PCIe 5).
 
 Example:

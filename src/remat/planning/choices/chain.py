@@ -18,7 +18,7 @@ as one region, as ``checkpoint_sequential`` does with equal runs:
   (``region_time`` once), plus the ops after each inner block's last saved tensor, which a lone block's
   early stop skips but the next block needs (``tail_time``).
 
-The solver (:mod:`remat.planning.solver`) takes a segment as one option of its first block with
+The solver (:mod:`remat.planning.solve.solver`) takes a segment as one option of its first block with
 ``span = j - i + 1`` and checks every stretch inside it; :func:`sequential_choice` gives the options
 ``checkpoint_sequential`` amounts to, so plans can be compared with it on the same cost model.
 
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..policies.hostcopy import engine_for
-from .copies import link_for
+from ...policies.hostcopy import engine_for
+from ..measure.copies import link_for
+from ..measure.profile import SharedTensor, StepProfile
 from .keptoffload import keep_offload_options
 from .options import DEFAULT_ALLOW, BlockOption, block_options
-from .profile import SharedTensor, StepProfile
 
 __all__ = ["MAX_SPAN", "chain_options", "passed_on", "segment_options", "segment_time", "segment_transient",
            "sequential_choice"]
@@ -95,7 +95,7 @@ def passed_on(prof: StepProfile, shared: SharedTensor) -> int:
 
 def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, list[BlockOption]]:
     """Per block index, the ``segment`` options that start there: one per run of 2 to ``max_span`` linked
-    blocks, as :class:`~remat.planning.options.BlockOption` with ``span`` set.
+    blocks, as :class:`~remat.planning.choices.options.BlockOption` with ``span`` set.
 
     Blocks that did not run (no price) end a run, and none starts at a block that writes in place to its input
     (the region would rerun from the written input); one whose backward the profile did not see start (its output
@@ -124,9 +124,9 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
 
 
 def chain_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> list[list[BlockOption]]:
-    """Every block's options as the planner weighs them: :func:`~remat.planning.options.block_options`, on an
+    """Every block's options as the planner weighs them: :func:`~remat.planning.choices.options.block_options`, on an
     accelerator whose copies run on their own stream the ``keep_offload`` levels
-    (:mod:`remat.planning.keptoffload`) where allowed, and where ``checkpoint`` is allowed the segments starting
+    (:mod:`remat.planning.choices.keptoffload`) where allowed, and where ``checkpoint`` is allowed the segments starting
     at that block (:func:`segment_options`).
 
     Example:
@@ -150,14 +150,14 @@ def sequential_choice(prof: StepProfile, options: list[list[BlockOption]], segme
     run, which runs plainly.
 
     ``options`` are the blocks' options (:func:`chain_options`); the result has one option per run (``keep``
-    for each block left plain), for :func:`remat.planning.solver.predict`.
+    for each block left plain), for :func:`remat.planning.solve.solver.predict`.
 
     Example:
         >>> peak, extra = predict(prof, sequential_choice(prof, chain_options(prof), 4))
     """
     n = len(prof.rows)
     if not 1 <= segments <= n:
-        raise ValueError(f"remat.planning.chain: segments must be between 1 and {n}, got {segments}.")
+        raise ValueError(f"remat.planning.choices.chain: segments must be between 1 and {n}, got {segments}.")
     size = n // segments
     starts = {size * k for k in range(segments - 1)}
     chosen, p = [], 0
@@ -166,7 +166,7 @@ def sequential_choice(prof: StepProfile, options: list[list[BlockOption]], segme
         name = "keep" if p not in starts else ("checkpoint" if size == 1 else "segment")
         match = [o for o in options[p] if o.name == name and o.span == wanted]
         if not match:
-            raise ValueError(f"remat.planning.chain: {prof.rows[p].name} has no {name} option over {wanted} "
+            raise ValueError(f"remat.planning.choices.chain: {prof.rows[p].name} has no {name} option over {wanted} "
                              "blocks (are they children of one nn.Sequential?).")
         chosen.append(match[0])
         p += wanted

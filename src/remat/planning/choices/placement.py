@@ -4,7 +4,7 @@ The chain's dynamic program adds prices block by block, so two plans that give t
 in every figure (a transformer's layers) tie on its sums whichever blocks get which.  Their copies do not
 tie: a block early in forward has the whole forward to hide its copies out behind, one late in forward has
 its copies back needed first in backward.  :func:`cheaper_placement` swaps the options of such blocks while the
-step's timeline (:func:`~remat.planning.options.step_extra_time`) prices the plan cheaper and its peak does not
+step's timeline (:func:`~remat.planning.choices.options.step_extra_time`) prices the plan cheaper and its peak does not
 rise, so of the plans of equal memory the solver returns one the timeline prefers.
 
 Example:
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..measure.profile import StepProfile
 from .options import BlockOption, step_extra_time
-from .profile import StepProfile
 
 __all__ = ["cheaper_placement"]
 

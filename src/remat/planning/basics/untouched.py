@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..engine.buffers import RegionBuffers
+from ...engine.buffers import RegionBuffers
 
 __all__ = ["left_as_found"]
 
@@ -34,7 +34,7 @@ def left_as_found(model: nn.Module) -> Iterator[None]:
 
     Example:
         >>> with left_as_found(model):
-        ...     remat.planning.profile.measure(model, (x,), {}, blocks, loss_fn, None, 100e12, 3)
+        ...     remat.planning.measure.profile.measure(model, (x,), {}, blocks, loss_fn, None, 100e12, 3)
     """
     slots = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()]
     values = RegionBuffers.before_forward(model)

@@ -1,9 +1,9 @@
 """The cheapest checkpointing plan that fits a memory budget.
 
-Cost model (from a :class:`~remat.planning.profile.StepProfile` of one step without checkpointing).  Each block has
-a list of :class:`BlockOption`; each option keeps some of the block's own bytes from its forward to its backward,
-costs extra time, and (if it recomputes) keeps the block's inputs and raises the block's backward by its
-recomputation's transient bytes:
+Cost model (from a :class:`~remat.planning.measure.profile.StepProfile` of one step without checkpointing). Each block
+has a list of :class:`BlockOption`; each option keeps some of the block's own bytes from its forward to its backward,
+costs extra time, and (if it recomputes) keeps the block's inputs and raises the block's backward by its recomputation's
+transient bytes:
 
 =================  ===========================================  ===========================================
 option             kept own bytes                               extra time
@@ -18,12 +18,12 @@ option             kept own bytes                               extra time
                    window (brought back early in backward)
 ``segment``        the first block's inputs, for a run of       each block's checkpoint price, less the
                    consecutive blocks run as one region         region machinery they share, plus the ops
-                   (:mod:`remat.planning.chain`)                after each inner block's last saved tensor
+                   (:mod:`remat.planning.choices.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
 ``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory, two blocks'
 inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
-block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.copies`).
+block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.measure.copies`).
 
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak ``P``; with a
 plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each *shared* storage whose
@@ -49,14 +49,14 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from .baselines import rules
-from .chain import chain_options, passed_on
-from .options import DEFAULT_ALLOW, BlockOption, step_extra_time
-from .placement import cheaper_placement
+from ..basics.units import Budget, parse_budget
+from ..choices.baselines import rules
+from ..choices.chain import chain_options, passed_on
+from ..choices.options import DEFAULT_ALLOW, BlockOption, step_extra_time
+from ..choices.placement import cheaper_placement
+from ..measure.profile import StepProfile
 from .plan import Plan
-from .profile import StepProfile
 from .refusal import InfeasibleBudget
-from .units import Budget, parse_budget
 
 __all__ = ["InfeasibleBudget", "cheapest", "plan_from_profile", "plan_of", "predict", "predict_peak"]
 
@@ -254,7 +254,7 @@ def predict_peak(prof: StepProfile, decisions: Sequence[str], allow: Sequence[st
     """The cost model's whole-step peak for one decision (an option name) per block, in profile order.
 
     A name several options share (``selective``) means the first of them; :meth:`Plan.predicted_peak` of a
-    plan is computed from the options it chose.  Segments (runs of blocks, :mod:`remat.planning.chain`) are
+    plan is computed from the options it chose.  Segments (runs of blocks, :mod:`remat.planning.choices.chain`) are
     not named here: :func:`predict` takes the options themselves.
 
     Example:
@@ -277,7 +277,7 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
     profile order, whose spans cover every block once (a block left alone takes ``keep``).
 
     Example:
-        >>> from remat.planning.chain import chain_options, sequential_choice
+        >>> from remat.planning.choices.chain import chain_options, sequential_choice
         >>> peak, extra = predict(prof, sequential_choice(prof, chain_options(prof), segments=4))
     """
     if sum(o.span for o in chosen) != len(prof.rows):
@@ -455,7 +455,7 @@ def plan_from_profile(
 ) -> Plan:
     """Solve the plan for an existing profile (see :func:`plan`); ``prof.plan(budget)`` is the same call.
 
-    ``options`` replaces the built-in options (:func:`~remat.planning.chain.chain_options`) with your own, one
+    ``options`` replaces the built-in options (:func:`~remat.planning.choices.chain.chain_options`) with your own, one
     list per block starting with ``keep`` (an option with ``span`` > 1 decides that many blocks from its own).
 
     Example:
@@ -536,10 +536,10 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
 
 def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
                          placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
-    """``placed``, or the rule (:mod:`remat.planning.baselines`) within ``budget`` that costs less time, or as
+    """``placed``, or the rule (:mod:`remat.planning.choices.baselines`) within ``budget`` that costs less time, or as
     much time and less memory: the search merges states of many shared storages on the safe side and breaks
     ties of time by bytes freed, not by the peak, so a rule could otherwise beat its plan on the same model.  Then
-    placed among alike blocks where the copy timeline prices it cheaper (:mod:`remat.planning.placement`)."""
+    placed among alike blocks where the copy timeline prices it cheaper (:mod:`remat.planning.choices.placement`)."""
     accounting = _Accounting(prof)
     candidates = [] if placed is None else [placed]
     for rule in rules(options):

@@ -1,7 +1,7 @@
 """Install one op-level decision per block: keep exactly these op outputs, recompute the rest.
 
 A :class:`BlockPolicy` is what a block's point on its front of op-level
-policies turns into when it is applied (see :mod:`remat.planning.fronts`): a mode and
+policies turns into when it is applied (see :mod:`remat.planning.choices.fronts`): a mode and
 a readable list of :class:`OpDecision` — ``(op, call index, bytes,
 decision)``.  The call index counts the calls of that op overload within one
 run of the block, so two matmuls of one block can get different decisions.
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
-from ..policies.decisions import CheckpointPolicy
-from ..policies.rules import Policy
-from ..policies.selective import create_selective_checkpoint_contexts
+from ...api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
+from ...policies.decisions import CheckpointPolicy
+from ...policies.rules import Policy
+from ...policies.selective import create_selective_checkpoint_contexts
 from .units import format_bytes
 
 __all__ = [

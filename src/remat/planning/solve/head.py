@@ -21,16 +21,16 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..api.chunkedhead import chunk_lm_head, lm_head_chunks, lm_head_refusal, unchunk_lm_head
-from ..api.chunkedloss import chunked_lm_loss
+from ...api.chunkedhead import chunk_lm_head, lm_head_chunks, lm_head_refusal, unchunk_lm_head
+from ...api.chunkedloss import chunked_lm_loss
+from ..basics.units import Budget, parse_budget
+from ..choices.options import DEFAULT_ALLOW
+from ..measure.profile import StepProfile, _assemble
+from ..measure.timeline import _trace
+from ..measure.timing import Clock
 from .alternatives import plans_near
-from .options import DEFAULT_ALLOW
 from .plan import Plan
-from .profile import StepProfile, _assemble
 from .solver import InfeasibleBudget, plan_from_profile
-from .timeline import _trace
-from .timing import Clock
-from .units import Budget, parse_budget
 
 __all__ = ["HeadOption", "alternatives_with_head", "head_chunk_count", "measure_head", "plan_with_head"]
 
@@ -118,8 +118,9 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
     """The cheaper of the plans that fit ``budget`` without and with the chunked head (without on a tie).
 
     ``budget`` is read against ``prof``, the step without a plan; ``allow`` as in
-    :func:`~remat.planning.solver.plan_from_profile`.  Refused (:class:`~remat.planning.solver.InfeasibleBudget`)
-    only when neither fits, stating the lowest peak either reaches.
+    :func:`~remat.planning.solve.solver.plan_from_profile`.  Refused
+    (:class:`~remat.planning.solve.solver.InfeasibleBudget`) only when neither fits, stating the lowest peak either
+    reaches.
 
     Example:
         >>> plan = plan_with_head(prof, prof.head, "20%")
@@ -133,7 +134,7 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
 def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
                            count: int, allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
     """Up to ``count`` distinct plans that fit ``budget``, without and with the chunked head, cheapest predicted
-    first (:func:`~remat.planning.alternatives.plans_near` on each timeline).
+    first (:func:`~remat.planning.solve.alternatives.plans_near` on each timeline).
 
     Example:
         >>> plans = alternatives_with_head(prof, prof.head, "20%", count=3)

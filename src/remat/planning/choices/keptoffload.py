@@ -1,18 +1,18 @@
 """Kept blocks whose largest saved tensors go to host memory: the ``keep_offload`` options.
 
 A ``keep_offload`` block is not recomputed.  The op calls that make its largest saved tensors (chosen from the
-block's op graph, largest first) are named in a :class:`~remat.planning.blockpolicy.BlockPolicy` of mode
+block's op graph, largest first) are named in a :class:`~remat.planning.basics.blockpolicy.BlockPolicy` of mode
 ``keep`` with ``offload`` entries; installed, the block runs under :class:`remat.offload` with ``outputs_of``
 those calls, counted afresh in every forward, so which tensors of a call move is decided by that call's own ops.
 Their copies out run on the copy engine's side stream behind the forward, and come back ahead of the block's
 backward.
 
-Each block gets a few levels (the ``k`` largest for ``k`` in :data:`LEVELS`).  The chain's dynamic program
-adds prices block by block, so each level carries a price of its own: the copy time beyond what one block's
-share of the link hides (its forward going out, its backward coming back) plus the marking dispatch mode's
-host work where the device waits for it.  A plan's copies are then priced together on the step's timeline
-(:func:`~remat.planning.copyline.simulate`, through :func:`~remat.planning.options.step_extra_time`), where a
-block that moves more than its share borrows the link from neighbours that move less.
+Each block gets a few levels (the ``k`` largest for ``k`` in :data:`LEVELS`).  The chain's dynamic program adds prices
+block by block, so each level carries a price of its own: the copy time beyond what one block's share of the link hides
+(its forward going out, its backward coming back) plus the marking dispatch mode's host work where the device waits for
+it.  A plan's copies are then priced together on the step's timeline (:func:`~remat.planning.measure.copyline.simulate`,
+through :func:`~remat.planning.choices.options.step_extra_time`), where a block that moves more than its share borrows
+the link from neighbours that move less.
 
 Its bytes in flight (counted once for the step, as every offload option's): the engine's window, or the largest
 tensor if larger, plus the tensors a fetch brings back ahead in backward.
@@ -28,13 +28,13 @@ Example:
 
 from __future__ import annotations
 
-from ..policies.offload import PREFETCH_DEPTH
-from .blockpolicy import BlockPolicy, OpDecision
-from .copies import Link
-from .copyline import Copy
-from .opgraph import BlockGraph
+from ...policies.offload import PREFETCH_DEPTH
+from ..basics.blockpolicy import BlockPolicy, OpDecision
+from ..measure.copies import Link
+from ..measure.copyline import Copy
+from ..measure.opgraph import BlockGraph
+from ..measure.profile import ModuleProfile, StepProfile
 from .options import BlockOption
-from .profile import ModuleProfile, StepProfile
 
 __all__ = ["LEVELS", "MIN_TENSOR_BYTES", "keep_offload_options", "offload_candidates"]
 

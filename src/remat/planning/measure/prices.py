@@ -1,8 +1,8 @@
 """What rerunning a block costs in time, from its op graph: the one price model of the profile and the fronts.
 
-A block's op graph (:mod:`remat.planning.opgraph`) holds, per op, its device time (``kernel_time``), the
+A block's op graph (:mod:`remat.planning.measure.opgraph`) holds, per op, its device time (``kernel_time``), the
 host time around it (``host_time``: Python, autograd, the dispatcher) and what it adds to a run
-(``wall_time``, the two combined by :func:`remat.planning.timing.op_cost`: summed on the CPU, the larger
+(``wall_time``, the two combined by :func:`remat.planning.measure.timing.op_cost`: summed on the CPU, the larger
 of the two on an accelerator, whose host runs ahead).
 
 On the CPU, host and device time add up:
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from ..policies.rules import MATMUL_OPS
+from ...policies.rules import MATMUL_OPS
 from .opgraph import BlockGraph
 from .timing import op_cost
 

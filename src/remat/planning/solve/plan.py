@@ -5,7 +5,7 @@ peak and extra time, and what was planned for.  ``apply`` wraps the planned modu
 ``remove`` undoes it, ``save``/``load`` round-trip it through JSON.
 
 Blocks that a plan checkpoints together (a ``segment``: consecutive children of one ``nn.Sequential``, see
-:mod:`remat.planning.chain`) are listed in ``segments``; ``apply`` runs each as one region by giving their
+:mod:`remat.planning.choices.chain`) are listed in ``segments``; ``apply`` runs each as one region by giving their
 container a forward that checkpoints the run (:func:`remat.api.sequential.checkpoint_runs`), so the blocks
 stay where they are and ``state_dict`` keys do not change.
 
@@ -24,15 +24,15 @@ from typing import Any
 
 from torch import nn
 
-from ..api.chunkedhead import chunk_lm_head, lm_head_chunks, unchunk_lm_head
-from ..api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
-from ..api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
-from ..policies.rules import save_matmuls
-from .blockpolicy import BlockPolicy
-from .inputs import unwatch, watch_first_forward
-from .kvcache import cache_off_in_training, restore_cache
-from .units import format_bytes
-from .userline import user_stacklevel
+from ...api.chunkedhead import chunk_lm_head, lm_head_chunks, unchunk_lm_head
+from ...api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
+from ...api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
+from ...policies.rules import save_matmuls
+from ..basics.blockpolicy import BlockPolicy
+from ..basics.inputs import unwatch, watch_first_forward
+from ..basics.kvcache import cache_off_in_training, restore_cache
+from ..basics.units import format_bytes
+from ..basics.userline import user_stacklevel
 
 __all__ = ["Plan", "PlanFileError", "describe_model"]
 
@@ -54,12 +54,12 @@ class Plan:
 
     ``decisions`` maps each module's qualified name to its option; a ``selective`` block's op-level
     decisions are in ``policies`` (``{"mode", "ops": [{"op", "call", "bytes", "decision"}, ...]}``, see
-    :class:`~remat.planning.blockpolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
+    :class:`~remat.planning.basics.blockpolicy.BlockPolicy`), and ``blocks`` holds what ``print(plan)`` shows per block.
     ``meta`` records the model it was made for (:func:`describe_model`), checked by :meth:`apply`.
     ``segments`` lists the runs of blocks checkpointed as one region each (their blocks' decision is
     ``"segment"``; ``blocks`` holds a run's summary under its first block).  ``head_chunks`` > 0: the output
     layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
-    LM; :mod:`remat.planning.head`).
+    LM; :mod:`remat.planning.solve.head`).
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -102,7 +102,7 @@ class Plan:
         another class, a planned block missing or of another class or parameter shape is refused (ValueError),
         and blocks like the planned ones that the plan does not cover are named in a warning.  A Hugging Face
         model's training-mode forwards then run with ``use_cache=False``, as transformers trains with gradient
-        checkpointing (:func:`~remat.planning.kvcache.cache_off_in_training`; :meth:`remove` undoes it).
+        checkpointing (:func:`~remat.planning.basics.kvcache.cache_off_in_training`; :meth:`remove` undoes it).
 
         Segments are installed on their ``nn.Sequential`` (:func:`~remat.api.sequential.checkpoint_runs`): its
         own forward is replaced by one that runs each segment as one region.

@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..engine.replay import tensor_leaves
-from ..policies.rules import MATMUL_OPS
+from ...engine.replay import tensor_leaves
+from ...policies.rules import MATMUL_OPS
 from .opgraph import _op_info
 
 __all__ = ["Segment", "live_bytes_timeline"]

@@ -1,14 +1,14 @@
 """What each block may become in a plan: keep, checkpoint, save_matmuls, selective points, offload, and kept with
-its largest saved tensors offloaded (``keep_offload``, built by :mod:`remat.planning.keptoffload`).
+its largest saved tensors offloaded (``keep_offload``, built by :mod:`remat.planning.choices.keptoffload`).
 
 Each option is a :class:`BlockOption`: the bytes of the block's own it keeps from forward to backward, the
 extra step time it costs, the transient its recomputation adds in backward, and how to install it.
 Built-in options come from the measured profile.
 
-``selective`` options are points of each block's op-level front (:mod:`remat.planning.fronts`).
-A front point (:class:`~remat.planning.fronts.FrontPoint`) is stated in the op graph's terms: bytes the block keeps
-(its inputs plus the kept op outputs) and extra seconds predicted from per-op kernel times.  The solver
-(:mod:`remat.planning.solver`) works in the whole-step profile's terms.  The translation, per block:
+``selective`` options are points of each block's op-level front (:mod:`remat.planning.choices.fronts`).
+A front point (:class:`~remat.planning.choices.fronts.FrontPoint`) is stated in the op graph's terms: bytes
+the block keeps (its inputs plus the kept op outputs) and extra seconds predicted from per-op kernel times.  The solver
+(:mod:`remat.planning.solve.solver`) works in the whole-step profile's terms.  The translation, per block:
 
 * kept bytes: what the block holds when checkpointed (``row.held_bytes``) plus the kept op outputs —
   exact, both are storage bytes;
@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..api.checkpoint import OFFLOAD_INPUTS_MIN_BYTES
-from ..policies.hostcopy import engine_for
-from ..policies.offload import PREFETCH_DEPTH
-from .blockpolicy import BlockPolicy
-from .copies import copy_waits, link_for, prefetch_wait
-from .copyline import Copy, simulate
+from ...api.checkpoint import OFFLOAD_INPUTS_MIN_BYTES
+from ...policies.hostcopy import engine_for
+from ...policies.offload import PREFETCH_DEPTH
+from ..basics.blockpolicy import BlockPolicy
+from ..measure.copies import copy_waits, link_for, prefetch_wait
+from ..measure.copyline import Copy, simulate
+from ..measure.opgraph import BlockGraph, OpProfile
+from ..measure.prices import forward_spared
+from ..measure.profile import ModuleProfile, StepProfile
 from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
-from .opgraph import BlockGraph, OpProfile
-from .prices import forward_spared
-from .profile import ModuleProfile, StepProfile
 
 __all__ = ["BlockOption", "block_options", "selective_option", "selective_options", "step_extra_time"]
 
@@ -55,8 +55,8 @@ _GRID = 2.0**32  # prices per second
 class BlockOption:
     """One way to run a block in the plan.
 
-    ``kept``: bytes of the block's own storages (see :class:`~remat.planning.profile.ModuleProfile`) alive from its
-    forward to its backward.  ``recomputes``: the block is checkpointed, so it holds its inputs until its
+    ``kept``: bytes of the block's own storages (see :class:`~remat.planning.measure.profile.ModuleProfile`)
+    alive from its forward to its backward.  ``recomputes``: the block is checkpointed, so it holds its inputs until its
     backward and reruns there, raising that backward by ``transient`` bytes above the live bytes at its
     start.  ``extra_time``: seconds added to the step.  ``wrap`` installs the option on the module (None for
     the built-in options, installed by name).  ``policy``: the op-level decisions of a ``selective`` option
@@ -64,7 +64,7 @@ class BlockOption:
     ``copy_time``: the part of ``extra_time`` its offload copies leave unhidden.  ``in_flight``: bytes of the
     block the offload hooks' copies may hold on the device at once (the copy engine's window, plus one entry):
     counted once in the step's peak, whichever blocks offload.  ``span``: how many consecutive blocks, from
-    this one, the option runs as one region (a ``segment``, :mod:`remat.planning.chain`); ``kept`` and
+    this one, the option runs as one region (a ``segment``, :mod:`remat.planning.choices.chain`); ``kept`` and
     ``transient`` are then the region's.  ``moved``: bytes of the block's inputs that go to host memory until
     its backward (``checkpoint_offload``), whose copies :func:`step_extra_time` prices on the step's timeline.
     ``copies``: the saved tensors a kept block moves to host memory (``keep_offload``), priced there too.
@@ -175,7 +175,7 @@ def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
     back of the inputs ``checkpoint_offload`` moves priced on the step's timeline (:func:`copy_waits`: each
     behind the backward, recomputation included, that the plan runs before its block's) instead of each alone.
     Where a kept block moves saved tensors (``keep_offload``), every copy of the plan is priced tensor by tensor
-    as the copy engine runs them (:func:`~remat.planning.copyline.simulate`): its window, what stays on the
+    as the copy engine runs them (:func:`~remat.planning.measure.copyline.simulate`): its window, what stays on the
     device into backward, its prefetch.
 
     Example:
@@ -201,7 +201,7 @@ def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
 
 
 def _on_copy_timeline(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
-    """What pricing ``chosen``'s copies together, tensor by tensor (:func:`~remat.planning.copyline.simulate`),
+    """What pricing ``chosen``'s copies together, tensor by tensor (:func:`~remat.planning.measure.copyline.simulate`),
     changes in its sum of prices: each option's own copy price out, the compute's waits on the timeline in."""
     n = len(prof.rows)
     recompute, copies = [0.0] * n, [()] * n

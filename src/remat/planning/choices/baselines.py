@@ -6,8 +6,8 @@
   plainly (``apply_activation_checkpointing(..., offload_inputs=True)``; Unsloth's "offloaded gradient
   checkpointing").
 
-Each is a list of :class:`~remat.planning.options.BlockOption` (one per block), so the solver prices it on its
-own cost model (:func:`remat.planning.solver.predict`) and takes it where it beats what its search found: a plan
+Each is a list of :class:`~remat.planning.choices.options.BlockOption` (one per block), so the solver prices it on its
+own cost model (:func:`remat.planning.solve.solver.predict`) and takes it where it beats what its search found: a plan
 is never worse on both memory and time than a rule it can express.
 
 Example:

@@ -1,8 +1,8 @@
 """A step's copies to host memory tensor by tensor, as the copy engine schedules them: what the compute waits for.
 
-:func:`~remat.planning.copies.copy_waits` prices a block's offloaded inputs a block at a time.  A kept block that
-offloads its largest saved tensors (``keep_offload``, :mod:`remat.planning.keptoffload`) moves several tensors
-a block, more bytes than a forward may hide, and the engine (:mod:`remat.policies.hostcopy`) then decides how
+:func:`~remat.planning.measure.copies.copy_waits` prices a block's offloaded inputs a block at a time.  A kept block
+that offloads its largest saved tensors (``keep_offload``, :mod:`remat.planning.choices.keptoffload`) moves several
+tensors a block, more bytes than a forward may hide, and the engine (:mod:`remat.policies.hostcopy`) then decides how
 much the compute waits.  :func:`simulate` follows its rules on one outbound and one inbound link:
 
 * **Forward.**  A tensor's copy out starts when the compute has made it (at its share of its block's forward)
@@ -18,7 +18,7 @@ much the compute waits.  :func:`simulate` follows its rules on one outbound and 
   for a tensor that is not back yet.  Copies back run one after another, each after its own copy out.
 
 Example:
-    >>> from remat.planning.copies import MODELLED_LINK
+    >>> from remat.planning.measure.copies import MODELLED_LINK
     >>> line = simulate([2e-3] * 4, [0.0] * 4, [[Copy(0.5, 0.5, 32 << 20)]] * 4, MODELLED_LINK, 256 << 20)
     >>> line.wait
     0.0
@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..policies.offload import PREFETCH_DEPTH
+from ...policies.offload import PREFETCH_DEPTH
 from .copies import Link
 
 __all__ = ["Copy", "Timeline", "simulate"]

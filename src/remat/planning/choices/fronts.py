@@ -10,7 +10,7 @@ mode           kept through the step                  extra time per step
 ``selective``  inputs + the kept op outputs ``K``     checkpoint's − Σ gain of ``K`` + policy dispatch
 =============  =====================================  ===========================================================
 
-Times come from :class:`remat.planning.prices.BlockPrices` (per op device and host time, combined as the
+Times come from :class:`remat.planning.measure.prices.BlockPrices` (per op device and host time, combined as the
 device waits for them, and the machinery's measured costs).  The gain of a kept op is the kernel time it
 spares; for a random in-place op (kept by value, see :mod:`remat.policies.selective`) minus its two
 copies, forward's and the recomputation's.  Random ops are keepable like any other: a served one sets its
@@ -52,10 +52,10 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .blockpolicy import BlockPolicy, OpDecision
-from .opgraph import BlockGraph, OpProfile
-from .prices import BlockPrices, recompute_peak
-from .units import format_bytes
+from ..basics.blockpolicy import BlockPolicy, OpDecision
+from ..basics.units import format_bytes
+from ..measure.opgraph import BlockGraph, OpProfile
+from ..measure.prices import BlockPrices, recompute_peak
 
 __all__ = ["FrontPoint", "block_front", "evaluate", "fronts", "needed_ops", "offload_twins", "policy_for",
            "thin_front"]
@@ -96,7 +96,8 @@ class FrontPoint:
 
 
 class _CostModel:
-    """The cost model of one graph: its time side (:class:`~remat.planning.prices.BlockPrices`) and its peaks."""
+    """The cost model of one graph: its time side (:class:`~remat.planning.measure.prices.BlockPrices`) and its
+    peaks."""
 
     def __init__(self, graph: BlockGraph) -> None:
         self.graph = graph
@@ -296,7 +297,7 @@ def thin_front(front: list[FrontPoint], points: int) -> list[FrontPoint]:
 
 
 def policy_for(graph: BlockGraph, point: FrontPoint) -> BlockPolicy:
-    """The installable, serializable :class:`~remat.planning.blockpolicy.BlockPolicy` of one front point.
+    """The installable, serializable :class:`~remat.planning.basics.blockpolicy.BlockPolicy` of one front point.
 
     Example:
         >>> policy_for(graph, front[len(front) // 2]).wrap(model.blocks[0])

@@ -4,7 +4,7 @@
 candidate block with its real inputs.  For each operator the block dispatches, an :class:`OpNode` holds:
 
 * the op overload and its *call index* among that op's calls in the block — how a
-  :class:`~remat.planning.blockpolicy.BlockPolicy` names it;
+  :class:`~remat.planning.basics.blockpolicy.BlockPolicy` names it;
 * its kind: ``compute`` (a policy may keep its output), ``alias`` (views and in-place ops: they create no
   storage and rerun) or ``ignored`` (detach and metadata queries, never subject to a policy); and whether it is
   random.  A kept random op is served with its generator's state as forward left it, so the random ops rerun
@@ -17,7 +17,7 @@ candidate block with its real inputs.  For each operator the block dispatches, a
   reads the block's inputs, and whose storages it writes in place (``writes``);
 * whether a later in-place op writes one of its storages: then its output
   cannot be kept (the kept value would change under the policy);
-* its time, medians of several runs (:func:`remat.planning.timing.time_ops`): ``kernel_time`` on the device
+* its time, medians of several runs (:func:`remat.planning.measure.timing.time_ops`): ``kernel_time`` on the device
   (events on an accelerator), ``host_time`` (the Python, autograd and dispatcher work around it) and
   ``wall_time``, what it adds to a run — the sum on the CPU, the larger on an accelerator whose host runs ahead
   (``BlockGraph.asynchronous``); on the meta device, or with ``timing="estimate"``, the larger of FLOPs /
@@ -53,17 +53,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..api.modules import ActivationWrapper
-from ..policies.decisions import SAC_IGNORED_OPS, _is_random_write
-from ..policies.selective import create_selective_checkpoint_contexts
-from .blockpolicy import BlockPolicy
-from .discovery import resolve_blocks
+from ...api.modules import ActivationWrapper
+from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
+from ...policies.selective import create_selective_checkpoint_contexts
+from ..basics.blockpolicy import BlockPolicy
+from ..basics.discovery import resolve_blocks
+from ..basics.units import format_bytes
+from ..basics.untouched import left_as_found
+from ..basics.userline import user_stacklevel
 from .overheads import Overheads, measure_overheads
 from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
-from .units import format_bytes
-from .untouched import left_as_found
-from .userline import user_stacklevel
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
 
@@ -473,16 +473,16 @@ def profile_ops(
     """Record the op graph of every candidate block of ``model`` on ``example_inputs`` (one forward).
 
     ``modules`` names the blocks (default: the repeated blocks,
-    :func:`remat.planning.discovery.candidate_modules`).  ``timing="measure"`` times one
+    :func:`remat.planning.basics.discovery.candidate_modules`).  ``timing="measure"`` times one
     block per signature on its device's clock (``repeats`` rounds, median shares);
     ``"estimate"`` (forced on the meta device) uses FLOPs and bytes moved at
     ``throughput`` FLOP/s and ``bandwidth`` B/s.  ``overheads`` fixes the
     checkpoint machinery's costs; by default the per-region and per-saved-tensor
-    costs come from :func:`~remat.planning.overheads.measure_overheads` and a selective
+    costs come from :func:`~remat.planning.measure.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
     times are estimated, and copies at ``bandwidth``, read plus write).  The RNG
     state is left as it was.  ``reference_step``: this process's training step
-    time, against which cached times are checked (:func:`~remat.planning.timecache.stale`);
+    time, against which cached times are checked (:func:`~remat.planning.measure.timecache.stale`);
     the result's ``step_time`` is then the step time the op times go with.
 
     Example:

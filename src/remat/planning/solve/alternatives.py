@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .chain import chain_options
-from .options import DEFAULT_ALLOW, BlockOption
+from ..basics.units import Budget
+from ..choices.chain import chain_options
+from ..choices.options import DEFAULT_ALLOW, BlockOption
+from ..measure.profile import StepProfile
 from .plan import Plan
-from .profile import StepProfile
 from .solver import cheapest, plan_from_profile, plan_of
-from .units import Budget
 
 __all__ = ["plan_for", "plans_near"]
 
@@ -33,7 +33,7 @@ _Placed = list[tuple[int, BlockOption]]
 def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int = 5,
                allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
     """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first; the first is
-    ``prof.plan(budget)``.  Raises :class:`~remat.planning.solver.InfeasibleBudget` where none fits.
+    ``prof.plan(budget)``.  Raises :class:`~remat.planning.solve.solver.InfeasibleBudget` where none fits.
 
     Example:
         >>> [p.predicted_extra_time for p in plans_near(prof, "50%", count=3)]   # ascending

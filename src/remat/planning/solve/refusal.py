@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .units import format_bytes
+from ..basics.units import format_bytes
 
 __all__ = ["InfeasibleBudget"]
 

@@ -2,8 +2,8 @@
 
 The machinery is Python on the host: its costs are measured once per process on chains of tiny CPU ops,
 where the dispatch cost shows (the CPU's clock is the host's).  Copies run on the model's device and are
-timed there (:class:`~remat.planning.timing.Clock`).  The price model
-(:mod:`remat.planning.prices`) adds the host costs where the device waits for them.
+timed there (:class:`~remat.planning.measure.timing.Clock`).  The price model
+(:mod:`remat.planning.measure.prices`) adds the host costs where the device waits for them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..api.checkpoint import checkpoint
-from .blockpolicy import BlockPolicy, OpDecision
+from ...api.checkpoint import checkpoint
+from ..basics.blockpolicy import BlockPolicy, OpDecision
 from .timing import Clock
 
 __all__ = ["Overheads", "measure_overheads"]
@@ -56,7 +56,7 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
 
     The per-op policy figures are a floor: between ops that stream megabytes
     through the caches the same Python work costs more (2-4x for the demo GPT
-    block here), so :func:`~remat.planning.opgraph.profile_ops` measures them again on
+    block here), so :func:`~remat.planning.measure.opgraph.profile_ops` measures them again on
     each block it times.  ``copy_per_byte`` is the device time of cloning a
     ``copy_bytes`` tensor on ``device`` (the model's: ``"cpu"``, ``"cuda"``), per byte.
 

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .userline import user_stacklevel
+from ..basics.userline import user_stacklevel
 
 __all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times", "measuring_afresh",
            "model_key", "stale", "timings_cache"]

@@ -1,12 +1,12 @@
 """Where activation memory goes: a per-module profile of one training step.
 
 ``remat.profile(model, *args, **kwargs)`` runs training steps with no checkpointing and records, for each
-candidate block (by default the model's natural repeated blocks, see :mod:`remat.planning.discovery`):
+candidate block (by default the model's natural repeated blocks, see :mod:`remat.planning.basics.discovery`):
 
 * the bytes of activations it keeps for backward, its input and output bytes, and the bytes a
   ``save_matmuls`` policy would keep;
 * its forward time and the extra step time of checkpointing it and of checkpointing it with
-  ``save_matmuls``, priced from its op graph (:mod:`remat.planning.prices`: per-op device and host times,
+  ``save_matmuls``, priced from its op graph (:mod:`remat.planning.measure.prices`: per-op device and host times,
   the machinery's measured overheads); blocks with one graph share one price, so equal blocks tie exactly;
 * a memory *timeline*: the peak of live bytes in every segment of the step (each block's forward, each
   block's backward, the stretches between), and the live bytes when each segment starts;
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.replay import tensor_leaves
+from ...engine.replay import tensor_leaves
+from ..basics.units import format_bytes
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of, spread
-from .units import format_bytes
 
 __all__ = ["ModuleProfile", "SharedTensor", "StepProfile", "default_loss", "measure"]
 
@@ -53,7 +53,7 @@ class ModuleProfile:
     ``recompute_bytes`` is the peak its recomputation adds above the live bytes at the start of its
     backward.  ``checkpoint_time`` / ``save_matmuls_time`` are the extra step time of each option.
 
-    For regions of several consecutive blocks (:mod:`remat.planning.chain`): ``forward_start``,
+    For regions of several consecutive blocks (:mod:`remat.planning.choices.chain`): ``forward_start``,
     ``forward_peak`` and ``save_peak`` are the step's live bytes when the block's forward starts, at its
     forward's peak and at that peak when it saved its last tensor (absolute, so that a run of blocks reads
     its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
@@ -151,7 +151,7 @@ class StepProfile:
     shared: list[SharedTensor] = field(default_factory=list)
     ops: OpProfile | None = field(default=None, repr=False)
     # links[i]: blocks i and i + 1 are consecutive children of one plain nn.Sequential, which a plan may
-    # checkpoint as one region (see remat.planning.chain)
+    # checkpoint as one region (see remat.planning.choices.chain)
     links: list[bool] = field(default_factory=list)
 
     @property

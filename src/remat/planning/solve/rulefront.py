@@ -1,9 +1,9 @@
 """remat's front of plans beside the rules' points, on the solver's cost model: ``remat.profile(...).front()``.
 
-Every rule of :mod:`remat.planning.baselines` (every-k spread for each ``n``, offloaded inputs) is one point:
+Every rule of :mod:`remat.planning.choices.baselines` (every-k spread for each ``n``, offloaded inputs) is one point:
 its predicted peak and extra time.  remat's front is the plan for each of those peaks as the budget, and for
 each budget asked besides, with the points another plan beats on both removed.  No plan is worse than a rule
-on both axes (:func:`~remat.planning.solver.plan_from_profile` takes a rule where it would be).
+on both axes (:func:`~remat.planning.solve.solver.plan_from_profile` takes a rule where it would be).
 
 Example:
     >>> print(remat.profile(model, tokens).front())
@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .baselines import rules
-from .chain import chain_options
-from .options import DEFAULT_ALLOW
-from .profile import StepProfile
+from ..basics.units import format_bytes
+from ..choices.baselines import rules
+from ..choices.chain import chain_options
+from ..choices.options import DEFAULT_ALLOW
+from ..measure.profile import StepProfile
 from .solver import InfeasibleBudget, plan_from_profile, predict
-from .units import format_bytes
 
 __all__ = ["Front", "TradePoint", "front"]
 
