@@ -9,7 +9,7 @@ rank 0 writes the largest differences as JSON to the path :func:`run` is given.
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_worker import Block, checkpointed, fully_shard, unwrapped_names, write_report
+from dist_worker import Block, checkpointed, fully_shard, train, unwrapped_names, write_report
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -41,18 +41,8 @@ def _data():
     return torch.randint(0, VOCAB, (2, 4, 12), generator=g), torch.randint(0, VOCAB, (2, 4, 12), generator=g)
 
 
-def _train(model, rank, world, gather):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs, ys = _data()
-    per_rank = xs.shape[1] // world
-    grads = []
-    for x, y in zip(xs, ys):
-        opt.zero_grad()
-        local = slice(rank * per_rank, (rank + 1) * per_rank)
-        model(x[local], y[local]).backward()
-        grads.append(gather(model))
-        opt.step()
-    return grads
+def _loss(model, ids, labels):
+    return model(ids, labels)
 
 
 def run(report_path: str) -> None:
@@ -61,14 +51,14 @@ def run(report_path: str) -> None:
     state = LM().state_dict()
     reference = LM()
     reference.load_state_dict(state)
-    expected = _train(reference, 0, 1, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
-    results = {"ddp": _train(DDP(checkpointed(LM(chunks=3), state)), rank, world,
-                             lambda m: {n: p.grad.clone() for n, p in unwrapped_names(m).items()})}
+    expected = train(reference, 0, 1, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()}, _data(), _loss)
+    results = {"ddp": train(DDP(checkpointed(LM(chunks=3), state)), rank, world,
+                            lambda m: {n: p.grad.clone() for n, p in unwrapped_names(m).items()}, _data(), _loss)}
     mesh = init_device_mesh("cpu", (world,))
     model = checkpointed(LM(chunks=3), state)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    results["fsdp2"] = _train(model, rank, world, lambda m: {n: p.grad.full_tensor().clone()
-                                                              for n, p in unwrapped_names(m).items()})
+    results["fsdp2"] = train(model, rank, world, lambda m: {n: p.grad.full_tensor().clone()
+                                                             for n, p in unwrapped_names(m).items()}, _data(), _loss)
     write_report(report_path, rank, expected, results)

@@ -47,29 +47,27 @@ def _data():
     return torch.randn(2, 8, 16, generator=g), torch.randn(2, 8, 1, generator=g)  # 2 steps x global batch 8
 
 
+def _mse(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
 def _reference(state):
     model = Net()
     model.load_state_dict(state)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs, ys = _data()
-    grads = []
-    for x, y in zip(xs, ys):
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-    return grads
+    return train(model, 0, 1, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()}, _data(), _mse)
 
 
-def _train(model, rank, world, gather):
+def train(model, rank, world, gather, batches, loss):
+    """SGD over ``batches`` (inputs, targets: steps x global batch), this rank's slice of each;
+    ``gather(model)`` after each backward (the gradients, whole), ``loss(model, x, y)`` the step's loss."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    xs, ys = _data()
+    xs, ys = batches
     per_rank = xs.shape[1] // world
     grads = []
     for x, y in zip(xs, ys):
         opt.zero_grad()
         local = slice(rank * per_rank, (rank + 1) * per_rank)
-        nn.functional.mse_loss(model(x[local]), y[local]).backward()
+        loss(model, x[local], y[local]).backward()
         grads.append(gather(model))
         opt.step()
     return grads
@@ -104,7 +102,7 @@ def run(report_path: str) -> None:
     for label, kwargs in (("ddp", {}), ("ddp_static_graph", {"static_graph": True}),
                           ("ddp_find_unused", {"find_unused_parameters": True})):
         model = DDP(checkpointed(Net(), state), **kwargs)  # checkpoint first, then wrap with DDP
-        results[label] = _train(model, rank, world, ddp_gather)
+        results[label] = train(model, rank, world, ddp_gather, _data(), _mse)
 
     def fsdp_gather(model):
         return {n: p.grad.full_tensor().clone() for n, p in unwrapped_names(model).items()}
@@ -115,7 +113,7 @@ def run(report_path: str) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)  # checkpoint wrapper first, then shard each block, then the root
     fully_shard(model, mesh=mesh)
-    results["fsdp2"] = _train(model, rank, world, fsdp_gather)
+    results["fsdp2"] = train(model, rank, world, fsdp_gather, _data(), _mse)
 
     write_report(report_path, rank, expected, results)
 
