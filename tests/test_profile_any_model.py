@@ -278,3 +278,36 @@ def test_a_block_writing_its_input_beside_an_expanded_mask_profiles():
 
     prof = remat.profile(Masked(), torch.randn(64, 16), loss_fn=lambda out: out.sum(), repeats=1)
     assert [row.writes_input for row in prof.rows] == [True] * 3
+
+
+class _Relaxed(nn.Module):
+    """A gradient step inside the forward (``torch.autograd.grad(..., create_graph=True)``): its backward unpacks
+    what the block saved while the profiler records it."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up, self.energy, self.down = nn.Linear(width, 64), nn.Linear(64, 64), nn.Linear(64, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        (g,) = torch.autograd.grad(nn.functional.softplus(self.energy(h)).sum(), h, create_graph=True)
+        return x + self.down(h - 0.1 * g)
+
+
+def test_a_block_running_backward_in_its_forward_profiles_and_its_plan_holds(monkeypatch):
+    """The recorder keeps nothing autograd saves; the energy's output, which the code lets go of, is needed by
+    the backward inside the forward: the forward is recorded again keeping what the graph keeps."""
+    from remat.planning.measure import saved
+
+    gone = []
+    unpack = saved.Unheld.unpack
+    monkeypatch.setattr(saved.Unheld, "unpack", staticmethod(lambda ref: gone.append(ref() is None) or unpack(ref)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), *(_Relaxed() for _ in range(3)), nn.Linear(32, 4))
+    x = torch.randn(64, 16)
+    prof = remat.profile(model, x, loss_fn=lambda out: out.pow(2).mean(), repeats=1)
+    assert any(gone)
+    plan = prof.plan(0.8, allow=("checkpoint",))
+    assert "checkpoint" in plan.decisions.values()
+    check = remat.check_plan(model, plan, x, loss_fn=lambda out: out.pow(2).mean(), steps=2)
+    assert check.holds, check

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -62,6 +63,7 @@ from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
 from .overheads import Overheads, measure_overheads
+from .saved import Held, SavedTensorGone, Unheld
 from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 
@@ -258,31 +260,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class _Held:
-    """Saved-tensor hooks that keep what autograd saves in a list, the graph storing only its position.
-
-    A pack hook must not return the tensor itself here: where autograd saves an op's own output (softmax,
-    exp), the graph node would hold a tensor whose ``grad_fn`` is that node, a cycle through autograd's C++
-    side that Python's gc cannot see, and everything the graph saved before it would outlive the forward.
-    The saved tensors live as long as they would in the graph until ``clear()``.
-    """
-
-    __slots__ = ("tensors",)
-
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-
-    def pack(self, t: torch.Tensor) -> int:
-        self.tensors.append(t)
-        return len(self.tensors) - 1
-
-    def unpack(self, index: int) -> torch.Tensor:
-        return self.tensors[index]
-
-    def clear(self) -> None:
-        self.tensors.clear()
-
-
 class _Recorder(TorchDispatchMode):
     """Records the ops of the block being run (``current``), with packs and storage deaths."""
 
@@ -292,7 +269,15 @@ class _Recorder(TorchDispatchMode):
         self.estimate = estimate
         self.finalizers: list[weakref.finalize] = []
 
+    def forget(self) -> None:
+        """Back to before the forward: no block current, no storage watched."""
+        for finalizer in self.finalizers:
+            finalizer.detach()
+        self.finalizers.clear()
+        self.current = None
+
     def pack(self, t: torch.Tensor) -> None:
+        """Notes a save of the current block (what is kept of ``t`` is the hooks' holder's business)."""
         record = self.current
         if record is not None:
             record.packs += 1
@@ -303,9 +288,6 @@ class _Recorder(TorchDispatchMode):
                 record.lives[where].saved = True
             elif where is not None:
                 record.input_saved.add(where)
-        # Nothing is kept (no backward runs): a storage dies when the block's code is done with it, as in a
-        # checkpointed forward (StorageLife.dies).
-        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -385,7 +367,7 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
     def keep_nothing() -> tuple[Any, Any]:
         return create_selective_checkpoint_contexts(BlockPolicy("selective").policy_fn())
 
-    held = _Held()
+    held = Held()
     inputs: list[tuple[tuple, dict]] = []
 
     def prepare() -> None:  # only a block that writes to its inputs needs them afresh for every run
@@ -395,10 +377,10 @@ def _time_block(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
     def forward() -> None:
         args, kwargs = inputs.pop()
         module(*args, **kwargs)
-        held.clear()  # no backward runs here: drop what autograd saved (see _Held)
+        held.clear()  # no backward runs here: drop what autograd saved (see saved.Held)
 
     # Under saved-tensor hooks, as in checkpointed runs (autograd then saves outputs without a detach op).
-    with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
+    with saved_tensors_hooks(held.pack, held.unpack):
         return time_ops(forward, n, clock, repeats, keep_nothing, record.name, prepare)
 
 
@@ -524,9 +506,16 @@ def profile_ops(
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
         with left_as_found(model), torch.enable_grad():
-            # no backward runs: nothing is unpacked
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, _Held().unpack), recorder:
-                model(*example_inputs, **example_kwargs)
+            try:  # a storage dies when the block's code is done with it (StorageLife.dies)
+                with left_as_found(model), saved_tensors_hooks(Unheld.after(recorder.pack), Unheld.unpack), \
+                        recorder:
+                    model(*example_inputs, **example_kwargs)
+            except SavedTensorGone:  # a backward in the forward: storages live as the graph keeps them
+                recorder.forget()
+                records.clear()
+                with saved_tensors_hooks((held := Held()).after(recorder.pack), held.unpack), recorder:
+                    model(*example_inputs, **example_kwargs)
+                held.clear()
             for handle in handles:
                 handle.remove()
             handles.clear()
