@@ -3,7 +3,9 @@
 Every segment's peak and every block's bytes are compared: on models users write (an MLP mixing activations,
 Dropout and LayerNorm; a CNN with batch norm and in-place activations; residual blocks) and on Hugging Face
 language models with eager attention and with SDPA (whose math path the meta device would otherwise take,
-keeping the attention weights the CPU's fused kernel never makes).
+keeping the attention weights the CPU's fused kernel never makes); on BERT, whose unpadded mask the meta device
+assumes, and on Swin, whose attention mask requires grad and whose layer norms backward through transposed
+gradients.
 """
 
 from __future__ import annotations
@@ -98,6 +100,49 @@ def test_meta_profiles_of_hugging_face_models_are_exact(family, attn):
     _assert_same_bytes(on_cpu, on_meta)
 
 
+def _hf_profiles(build, make_inputs):
+    """``build()``'s profiles on the CPU and on meta, each called with ``make_inputs(device)``'s keywords."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the meta device's answered data checks, listed in the notes
+        on_cpu = remat.profile(build(), repeats=1, ops=False, **make_inputs("cpu"))
+        with torch.device("meta"):
+            model = build()
+        on_meta = remat.profile(model, device="meta", ops=False, **make_inputs("meta"))
+    return on_cpu, on_meta
+
+
+def test_meta_profile_of_bert_with_its_unpadded_mask_is_exact():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=128, attn_implementation="eager")
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+
+    def inputs(device):
+        # the meta device takes masks as unpadded (listed in the notes): on padded data the CPU also builds
+        # a 4-D float mask that meta does not, batch * seq * seq * 4 bytes
+        return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids, device=device),
+                "labels": ids.to(device)}
+
+    on_cpu, on_meta = _hf_profiles(lambda: transformers.BertForMaskedLM(cfg).train(), inputs)
+    _assert_same_bytes(on_cpu, on_meta)
+    assert any("masking_utils.py" in note for note in on_meta.notes)
+
+
+def test_meta_profile_of_swin_is_exact():
+    transformers = pytest.importorskip("transformers")
+    # the last stage is one window: no shift, and its layer norms backward through transposed gradients
+    cfg = transformers.SwinConfig(image_size=64, patch_size=4, window_size=4, embed_dim=32, depths=[2, 2, 2],
+                                  num_heads=[2, 4, 8], num_labels=10)
+    images = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(4))
+    labels = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(5))
+
+    def inputs(device):
+        return {"pixel_values": images.to(device), "labels": labels.to(device)}
+
+    _assert_same_bytes(*_hf_profiles(lambda: transformers.SwinForImageClassification(cfg).train(), inputs))
+
+
 def test_attention_on_meta_takes_the_kernel_the_cpu_takes():
     from remat.planning.basics.metadata import MetaKernels
 
@@ -107,5 +152,9 @@ def test_attention_on_meta_takes_the_kernel_the_cpu_takes():
         fused = nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
         # dropout in training: the CPU's flash kernel does not take it, and neither does the meta device
         math = nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+        # a mask that requires grad (Swin's position bias): the flash kernel gives it no gradient
+        bias = torch.empty(1, 4, 16, 16, device="meta", requires_grad=True)
+        biased = nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias)
     assert fused.grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"
     assert math.grad_fn.name() != fused.grad_fn.name()
+    assert biased.grad_fn.name() != fused.grad_fn.name()

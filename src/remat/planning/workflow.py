@@ -21,7 +21,7 @@ from ..api.sequential import checkpointed_runs
 from .basics.discovery import chain_links, resolve_blocks
 from .basics.inputs import describe_inputs
 from .basics.kvcache import cache_off
-from .basics.metadata import MetaData, MetaKernels, NeedsRealData
+from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
 from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
@@ -170,6 +170,7 @@ def profile(
     on_meta = MetaData() if device == "meta" else None
     with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
           MetaKernels() if on_meta is not None else contextlib.nullcontext(),
+          MetaLayouts() if on_meta is not None else contextlib.nullcontext(),
           measuring_afresh(fresh_timings), left_as_found(model),
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:

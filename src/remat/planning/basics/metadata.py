@@ -20,9 +20,10 @@ from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaData", "MetaKernels", "NeedsRealData"]
+__all__ = ["MetaData", "MetaKernels", "MetaLayouts", "NeedsRealData"]
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
+_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 _SKIPPED = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -75,8 +76,8 @@ class MetaKernels(TorchFunctionMode):
     same arguments (its fused flash kernel where it applies, else the math path both devices take).
 
     The choice is the CPU's own (``torch._fused_sdp_choice``), asked on stand-ins of one row each: CPU
-    tensors of the arguments' shapes and dtypes whose every dimension but the last is expanded, so asking
-    allocates next to nothing.
+    tensors of the arguments' shapes, dtypes and ``requires_grad`` whose every dimension but the last is
+    expanded, so asking allocates next to nothing.
 
     Example:
         >>> q = torch.empty(2, 4, 16, 8, device="meta", requires_grad=True)
@@ -95,6 +96,31 @@ class MetaKernels(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class MetaLayouts(TorchDispatchMode):
+    """While active, an op whose meta kernel lays out its result otherwise than the CPU kernel does returns
+    the CPU's layout, so that the views after it copy on meta exactly where they copy on the CPU.
+
+    ``native_layer_norm_backward``: the CPU's input gradient is contiguous, the meta kernel's takes the
+    incoming gradient's strides (transposed in Swin, after its window reshuffle), and a ``view`` of it then
+    copies on meta alone.
+
+    Example:
+        >>> grad = torch.empty(2, 8, 4, device="meta").transpose(1, 2)
+        >>> x, stat, w = (torch.empty(s, device="meta") for s in ((2, 4, 8), (2, 4, 1), (8,)))
+        >>> with MetaLayouts():
+        ...     dx = torch.ops.aten.native_layer_norm_backward(grad, x, [8], stat, stat, w, w, [True, True, True])[0]
+        >>> dx.is_contiguous()
+        True
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is _LAYER_NORM_BACKWARD and not kwargs and args[1].device.type == "meta" and args[-1][0]:
+            x = args[1]
+            _, weight_grad, bias_grad = func(*args[:-1], [False, *args[-1][1:]])
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device), weight_grad, bias_grad
+        return func(*args, **(kwargs or {}))
+
+
 def _on_meta(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in (*args, *kwargs.values()))
 
@@ -102,7 +128,9 @@ def _on_meta(args: tuple, kwargs: dict) -> bool:
 def _stand_in(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
         return t
-    return torch.empty(t.shape[-1:], dtype=t.dtype).expand(t.shape)
+    # the CPU leaves its flash kernel for the math path when a mask requires grad (the flash backward gives
+    # the mask no gradient), so the stand-in keeps requires_grad for the choice to see it
+    return torch.empty(t.shape[-1:], dtype=t.dtype, requires_grad=t.requires_grad).expand(t.shape)
 
 
 def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
