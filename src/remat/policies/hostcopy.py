@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import weakref
 from collections import deque
@@ -112,7 +113,7 @@ class Stashed:
     """
 
     __slots__ = ("engine", "block", "pool", "layout", "device", "order", "event", "on_device", "source", "version",
-                 "users", "fetches", "back_version", "in_flight", "__weakref__")
+                 "users", "fetches", "back_version", "in_flight", "ahead", "__weakref__")
 
     def __init__(self, engine: HostCopies, block: torch.Tensor, pool: HostPool, layout: _Layout,
                  device: torch.device, order: int, event: Any, source: weakref.ref | None, version: int) -> None:
@@ -134,6 +135,7 @@ class Stashed:
         # the tensor itself (its storage span, where the layout is exact) while its copy out is in the window:
         # a fetch then serves it as it is, with no copy back
         self.in_flight: torch.Tensor | None = None
+        self.ahead: int | None = None  # a plan's: its copy back starts once a fetch is within these bytes of it
 
     def __del__(self) -> None:
         if self.block is not None:
@@ -156,11 +158,16 @@ class SharedView:
 
 
 class _Window:
-    """Bytes in flight behind device events, oldest first: what the host waits for once over a limit."""
+    """Bytes in flight behind device events, oldest first: what the host waits for once over a limit.
+
+    ``bounded``: the bytes of entries added under a finite limit, those a limit counts; a plan's scheduled copies
+    (limit ``math.inf``) are bounded by its drains instead, so they do not make other copies wait.
+    """
 
     def __init__(self) -> None:
-        self.entries: deque[tuple[Any, int, weakref.ref | None]] = deque()
+        self.entries: deque[tuple[Any, int, weakref.ref | None, bool]] = deque()
         self.nbytes = 0
+        self.bounded = 0
 
     def let_go(self, done: Any) -> None:
         """Drop the entries whose events have completed, oldest first, and what their handles hold."""
@@ -170,25 +177,29 @@ class _Window:
     def _pop(self) -> Any:
         """Drop the oldest entry (its handle lets go of the tensor it holds: the allocator frees the memory once
         the copy has read it); its event."""
-        event, size, ref = self.entries.popleft()
+        event, size, ref, bounded = self.entries.popleft()
         self.nbytes -= size
+        self.bounded -= size if bounded else 0
         held = ref() if ref is not None else None
         if held is not None:
             held.in_flight = None
         return event
 
-    def add(self, event: Any, nbytes: int, limit: int, done: Any, handle: Stashed | None = None) -> Any:
+    def add(self, event: Any, nbytes: int, limit: float, done: Any, handle: Stashed | None = None) -> Any:
         """Count ``nbytes`` behind ``event``; the event the host must wait for to be within ``limit`` (or None).
 
         Events complete in the order they were added (one stream), so waiting for the newest one over the
         limit is enough; entries whose events have completed leave without a wait.  A stashed ``handle``
-        holds its device tensor while its entry is here.
+        holds its device tensor while its entry is here.  Under ``limit=math.inf`` the entry waits for nothing
+        and is not counted against other entries' limits.
         """
-        self.entries.append((event, nbytes, weakref.ref(handle) if handle is not None else None))
+        bounded = limit != math.inf
+        self.entries.append((event, nbytes, weakref.ref(handle) if handle is not None else None, bounded))
         self.nbytes += nbytes
+        self.bounded += nbytes if bounded else 0
         late = None
         while len(self.entries) > 1:  # never the entry just added: a tensor over the limit alone must not wait
-            over = self.nbytes > limit
+            over = self.bounded > limit
             if not over and not done(self.entries[0][0]):
                 break
             oldest = self._pop()
@@ -209,6 +220,7 @@ class HostCopies:
         self._unfetched: dict[int, weakref.ref[Stashed]] = {}  # by save order, for prefetch
         self._by_span: weakref.WeakValueDictionary[tuple, Stashed] = weakref.WeakValueDictionary()
         self._sweep_at = 64
+        self._farthest = 0  # the longest prefetch reach a stashed tensor has asked for
         self.in_flight_limit = _IN_FLIGHT_LIMIT
         # Per device (events of one device's stream complete in order; two devices' do not):
         self._out: dict[torch.device, _Window] = {}  # copies out, behind their events
@@ -220,7 +232,8 @@ class HostCopies:
         return self._pools[pinned and self.model.can_pin]
 
     def stash(self, tensor: torch.Tensor, pinned: bool = True, check_version: bool = False,
-              hold_in_flight: bool = False) -> Stashed | None:
+              hold_in_flight: bool = False, limit: float | None = None, ahead: int | None = None
+              ) -> Stashed | None:
         """Start copying ``tensor`` to host memory; None if it cannot be moved (subclass, sparse, empty).
 
         ``check_version=True`` makes :meth:`fetch` raise if the tensor is changed in place afterwards
@@ -232,6 +245,11 @@ class HostCopies:
         reuse its memory before the copy has read it anyway).  An entry leaves the window when a later save
         finds its copy complete, so forward's last saves stay on the device into backward, whose first fetches
         they are (a loss's logits): a fetch serves a held tensor as it is, without a round trip over the link.
+
+        ``limit``: the bytes in flight past which the host waits for the oldest copies (default
+        ``in_flight_limit``); ``math.inf`` for a plan's copies, bounded at block starts instead (:meth:`drain`).
+        ``ahead``: a plan's prefetch reach for this tensor: any fetch within that many bytes of it (counted over the
+        live tensors saved after it) starts its copy back, whatever that fetch's own prefetch.
         """
         if not _movable(tensor):
             return None
@@ -264,13 +282,15 @@ class HostCopies:
                 self._by_span[_span_key(tensor, layout)] = handle
         if model.asynchronous:
             handle.in_flight = held
+            handle.ahead = ahead
             with self._lock:
+                self._farthest = max(self._farthest, ahead or 0)
                 self._unfetched[order] = weakref.ref(handle)
                 if len(self._unfetched) >= self._sweep_at:
                     self._sweep()
                 window = self._out.setdefault(tensor.device, _Window())
-                late = window.add(event, layout.nbytes, self.in_flight_limit, model.done,
-                                  handle if hold_in_flight else None)
+                late = window.add(event, layout.nbytes, self.in_flight_limit if limit is None else limit,
+                                  model.done, handle if hold_in_flight else None)
             if late is not None:
                 model.host_wait(late)
         return handle
@@ -295,16 +315,20 @@ class HostCopies:
             return handle
         return SharedView(handle, layout)
 
-    def fetch(self, handle: Stashed | SharedView, prefetch: int = 0) -> torch.Tensor:
+    def fetch(self, handle: Stashed | SharedView, prefetch: int = 0, prefetch_bytes: int | None = None
+              ) -> torch.Tensor:
         """``handle``'s tensor back on its device, usable on the current stream; starts the copies back of the
-        ``prefetch`` live tensors stashed just before it (backward needs them next)."""
+        ``prefetch`` live tensors stashed just before it (backward needs them next), or with ``prefetch_bytes``
+        of as many of them as fit in that many bytes (those already on their way back count)."""
         layout = handle.layout
         if type(handle) is SharedView:
             handle = handle.stashed
         _check_unchanged(handle)
         with self._lock:
             self._unfetched.pop(handle.order, None)
-            upcoming = self._preceding(handle.order, prefetch) if prefetch and self.model.asynchronous else []
+            ahead = prefetch_bytes is not None or prefetch or self._farthest
+            upcoming = (self._preceding(handle.order, prefetch, prefetch_bytes) if ahead and self.model.asynchronous
+                        else [])
             held = handle.in_flight
         if held is None:
             if handle.on_device is not None and handle.on_device._version != handle.back_version:
@@ -333,7 +357,7 @@ class HostCopies:
             with self._lock:
                 brought = self._brought_back.pop(handle.device, 0)
                 window = self._back.setdefault(handle.device, _Window())
-                late = window.add(arrival, brought, self.in_flight_limit, self.model.done)
+                late = window.add(arrival, brought, max(self.in_flight_limit, prefetch_bytes or 0), self.model.done)
             if late is not None:
                 self.model.host_wait(late)
         return tensor
@@ -382,6 +406,22 @@ class HostCopies:
             for window in self._out.values():
                 window.let_go(self.model.done)
 
+    def drain(self, nbytes: int = 0) -> None:
+        """Let go of the copies out that have completed, and wait (the host, on events) for the oldest others
+        until at most ``nbytes`` are in flight: what a plan's copies may hold on the device when a block starts.
+
+        Example:
+            >>> engine_for("cuda").drain(0)  # before the loss: every copy out complete, nothing held
+        """
+        for window in list(self._out.values()):
+            with self._lock:
+                window.let_go(self.model.done)
+                late = None
+                while window.entries and window.nbytes > nbytes:
+                    late = window._pop()
+            if late is not None:
+                self.model.host_wait(late)
+
     def collect(self) -> None:
         """Put back in the pools the blocks whose copies have completed (never waits)."""
         with self._lock:
@@ -408,8 +448,10 @@ class HostCopies:
         with self._lock:
             self._brought_back[handle.device] = self._brought_back.get(handle.device, 0) + layout.nbytes
 
-    def _preceding(self, order: int, count: int) -> list[Stashed]:
-        """The live tensors among the ``count`` stashed just before ``order`` that are not on their way back yet.
+    def _preceding(self, order: int, count: int, nbytes: int | None = None) -> list[Stashed]:
+        """The live tensors stashed before ``order`` whose copies back a fetch of it starts: of the ``count`` just
+        before it (with ``nbytes``: as many as fit in those bytes), and of any further back whose own ``ahead``
+        reaches it, those not on their way back yet.
 
         Those already brought back count: each fetch keeps ``count`` tensors ahead, rather than adding
         ``count`` more (which ran the copies back ever further ahead, holding a tensor more per fetch).
@@ -417,7 +459,8 @@ class HostCopies:
         # Save order is insertion order; in backward the newest unfetched entries are the ones needed next.
         found: list[Stashed] = []
         dead: list[int] = []
-        seen = 0
+        seen = reach = 0
+        farthest = max(nbytes or 0, self._farthest)
         for key, ref in reversed(self._unfetched.items()):
             if key >= order:
                 continue
@@ -425,10 +468,13 @@ class HostCopies:
             if handle is None:
                 dead.append(key)
                 continue
-            if handle.on_device is None and handle.in_flight is None:
+            reach += handle.layout.nbytes
+            limit = handle.ahead if handle.ahead is not None else nbytes
+            wanted = reach <= limit if limit is not None else seen < count
+            if wanted and handle.on_device is None and handle.in_flight is None:
                 found.append(handle)
-            seen += 1
-            if seen == count:
+            seen += handle.ahead is None
+            if (nbytes is not None or seen >= count) and reach > farthest:
                 break
         for key in dead:
             del self._unfetched[key]

@@ -136,6 +136,11 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         outputs_of: ``{op overload: call indices}``: offload only saved tensors whose storage one of these op
             calls made (counted from zero each time the context is entered, as a block's forward runs them),
             whatever their size; None (the default): every saved tensor of ``min_bytes`` or more.
+        prefetch_bytes: prefetch by bytes instead: keep as many of the next tensors on their way back as fit
+            in this many bytes (a block ahead, where a plan's timeline says backward has the room); its own
+            tensors then start back once any fetch, of any offloader, comes within that many bytes of them.
+        in_flight: bytes of copies out in flight past which forward waits for them (default: the engine's
+            ``in_flight_limit``); ``math.inf`` where a plan bounds them at block starts (``HostCopies.drain``).
 
     Every offloader of a device type shares that type's copy engine and host pools, so buffers are reused
     from step to step and across offloaders.
@@ -159,8 +164,12 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         device_type: str | None = None,
         modules: Iterable[nn.Module] = (),
         outputs_of: Mapping[Any, Collection[int]] | None = None,
+        prefetch_bytes: int | None = None,
+        in_flight: float | None = None,
     ) -> None:
         self.min_bytes = min_bytes
+        self.prefetch_bytes = prefetch_bytes if prefetch else None
+        self.in_flight = in_flight
         self.device_type = device_type or DefaultDeviceType.get_device_type()
         self.engine: HostCopies | None = engine_for(self.device_type)
         self.pin_memory = pin_memory
@@ -203,7 +212,8 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
     def _pack(self, tensor: torch.Tensor) -> Any:
         handle = None
         if self._should_offload(tensor):
-            handle = self.engine.stash(tensor, pinned=self.pin_memory, check_version=True, hold_in_flight=True)
+            handle = self.engine.stash(tensor, pinned=self.pin_memory, check_version=True, hold_in_flight=True,
+                                       limit=self.in_flight, ahead=self.prefetch_bytes)
         self.stats.count(tensor, offloaded=handle is not None)
         if type(handle) is SharedView or (handle is not None and handle.users > 1):
             self.stats.shared_tensors += 1
@@ -212,7 +222,9 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) in _HANDLES:
-            return self.engine.fetch(packed, self.prefetch_depth)
+            if self.prefetch_bytes is None:
+                return self.engine.fetch(packed, self.prefetch_depth)
+            return self.engine.fetch(packed, prefetch_bytes=self.prefetch_bytes)
         return packed
 
 

@@ -176,9 +176,10 @@ class BlockPolicy:
         """
         return create_selective_checkpoint_contexts(self.rules)
 
-    def wrap(self, module: nn.Module) -> nn.Module:
+    def wrap(self, module: nn.Module, **offload_kwargs: Any) -> nn.Module:
         """``module`` set up to run under this policy (``keep``: the module itself, or with ``offload`` entries
-        the module under an offloader moving those op outputs).
+        the module under an offloader moving those op outputs, made with ``offload_kwargs``: see
+        :class:`remat.offload`).
 
         Example:
             >>> wrapped = BlockPolicy("checkpoint").wrap(model.blocks[0])
@@ -187,7 +188,7 @@ class BlockPolicy:
         if self.mode == "keep":
             if not any(d.decision == "offload" for d in self.decisions):
                 return module
-            wrapper = offload_wrapper(module, outputs_of=self.offloaded_ops)
+            wrapper = offload_wrapper(module, outputs_of=self.offloaded_ops, **offload_kwargs)
             wrapper._remat_block_policy = self
             return wrapper
         wrapper = checkpoint_wrapper(module) if self.mode == "checkpoint" else checkpoint_wrapper(

@@ -136,7 +136,7 @@ def chain_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     options = block_options(prof, allow)
     engine = None if prof.device.startswith(("cpu", "meta")) else engine_for(prof.device.split(":")[0])
     if "keep_offload" in allow and engine is not None and engine.model.asynchronous:
-        for p, kept in keep_offload_options(prof, link_for(prof.device), engine.in_flight_limit).items():
+        for p, kept in keep_offload_options(prof, link_for(prof.device)).items():
             options[p] = options[p] + kept
     if "checkpoint" in allow:
         for first, segments in segment_options(prof).items():

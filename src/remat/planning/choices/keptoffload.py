@@ -14,21 +14,23 @@ it.  A plan's copies are then priced together on the step's timeline (:func:`~re
 through :func:`~remat.planning.choices.options.step_extra_time`), where a block that moves more than its share borrows
 the link from neighbours that move less.
 
-Its bytes in flight (counted once for the step, as every offload option's): the engine's window, or the largest
-tensor if larger, plus the tensors a fetch brings back ahead in backward.
+A plan with such blocks runs its copies under a schedule (:func:`~remat.planning.choices.options.copy_schedule`): no
+window limit in forward, the copies in flight bounded at each block's start instead, prefetch a block ahead in
+backward; its peak counts the bytes the copies hold at each stretch of the step
+(:mod:`remat.planning.solve.copyplan`).  The option's ``in_flight`` (its largest tensor) only steers the chain's
+dynamic program, which sees no timeline.
 
 The chain's last block has none: backward starts there, with nothing to hide its copies back behind (and the
 tensors it saves last stay on the device anyway, in the engine's window).
 
 Example:
-    >>> extra = keep_offload_options(prof, link_for(prof.device), 256 << 20)
+    >>> extra = keep_offload_options(prof, link_for(prof.device))
     >>> [o.name for o in extra[0]]
     ['keep_offload', 'keep_offload', ...]
 """
 
 from __future__ import annotations
 
-from ...policies.offload import PREFETCH_DEPTH
 from ..basics.blockpolicy import BlockPolicy, OpDecision
 from ..measure.copies import Link
 from ..measure.copyline import Copy
@@ -58,13 +60,13 @@ def offload_candidates(graph: BlockGraph) -> list[int]:
     return [n.index for n in sorted(found, key=lambda n: (-n.saved_bytes, n.index))]
 
 
-def keep_offload_options(prof: StepProfile, link: Link, limit: int) -> dict[int, list[BlockOption]]:
+def keep_offload_options(prof: StepProfile, link: Link) -> dict[int, list[BlockOption]]:
     """Per block index of ``prof`` (with an op graph, not the last): its ``keep_offload`` options, one per level.
 
-    ``link``: the device's link to host memory; ``limit``: the copy engine's window (bytes in flight).
+    ``link``: the device's link to host memory.
 
     Example:
-        >>> options = keep_offload_options(prof, MODELLED_LINK, 256 << 20)
+        >>> options = keep_offload_options(prof, MODELLED_LINK)
     """
     if prof.ops is None:
         return {}
@@ -75,12 +77,12 @@ def keep_offload_options(prof: StepProfile, link: Link, limit: int) -> dict[int,
             continue
         candidates = offload_candidates(graph)
         levels = sorted({min(k, len(candidates)) for k in LEVELS if candidates})
-        options = [_option(row, graph, candidates[:k], link, limit) for k in levels]
+        options = [_option(row, graph, candidates[:k], link) for k in levels]
         found[p] = [o for o in options if o.kept < row.own_bytes]
     return {p: options for p, options in found.items() if options}
 
 
-def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link, limit: int) -> BlockOption:
+def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link) -> BlockOption:
     nodes = graph.nodes
     moved = sum(nodes[i].saved_bytes for i in chosen)
     largest = max(nodes[i].saved_bytes for i in chosen)
@@ -90,7 +92,7 @@ def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link
     for n in nodes:
         elapsed += n.wall_time
         ends[n.index] = elapsed / total
-    copies = tuple(Copy(ends[i], 1.0 - ends[i], nodes[i].saved_bytes) for i in chosen)
+    copies = tuple(Copy(ends[i], 1.0 - ends[i], nodes[i].saved_bytes, scheduled=True) for i in chosen)
     f = row.forward_time
     alone = (max(0.0, link.seconds(moved, to_host=True) - f)
              + max(0.0, link.seconds(moved, to_host=False) - 2 * f))
@@ -98,7 +100,7 @@ def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link
                                   for i in sorted(chosen)])
     return BlockOption("keep_offload", max(row.held_bytes, row.own_bytes - moved), _host_time(graph, len(chosen))
                        + alone, wrap=policy.wrap, policy=policy, copy_time=alone,
-                       in_flight=max(limit, largest) + PREFETCH_DEPTH * largest, copies=copies)
+                       in_flight=largest, copies=copies)
 
 
 def _host_time(graph: BlockGraph, moved: int) -> float:

@@ -34,13 +34,14 @@ from ...policies.hostcopy import engine_for
 from ...policies.offload import PREFETCH_DEPTH
 from ..basics.blockpolicy import BlockPolicy
 from ..measure.copies import copy_waits, link_for, prefetch_wait
-from ..measure.copyline import Copy, simulate
+from ..measure.copyline import Copy, Timeline, simulate
 from ..measure.opgraph import BlockGraph, OpProfile
 from ..measure.prices import forward_spared
 from ..measure.profile import ModuleProfile, StepProfile
 from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
 
-__all__ = ["BlockOption", "block_options", "selective_option", "selective_options", "step_extra_time"]
+__all__ = ["BlockOption", "CopySchedule", "block_options", "copy_schedule", "selective_option", "selective_options",
+           "step_extra_time"]
 
 OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
 ALLOWED = OPTIONS[1:]
@@ -175,15 +176,16 @@ def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
     back of the inputs ``checkpoint_offload`` moves priced on the step's timeline (:func:`copy_waits`: each
     behind the backward, recomputation included, that the plan runs before its block's) instead of each alone.
     Where a kept block moves saved tensors (``keep_offload``), every copy of the plan is priced tensor by tensor
-    as the copy engine runs them (:func:`~remat.planning.measure.copyline.simulate`): its window, what stays on the
-    device into backward, its prefetch.
+    as the copy engine runs them under the plan's schedule (:func:`copy_schedule`).
 
     Example:
         >>> step_extra_time(prof, [keep, checkpoint_offload, checkpoint])
     """
     total = sum(o.extra_time for o in chosen)
-    if any(o.copies for o in chosen):
-        return total + _on_copy_timeline(prof, chosen)
+    schedule = copy_schedule(prof, chosen)
+    if schedule is not None:
+        alone = sum(o.copy_time for o in chosen if o.copies or o.moved)
+        return total - alone + schedule.line.wait
     if not any(o.moved for o in chosen):
         return total
     n = len(prof.rows)
@@ -200,21 +202,64 @@ def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
     return total + sum(copy_waits(forward, recompute, moved, link_for(prof.device), head))
 
 
-def _on_copy_timeline(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
-    """What pricing ``chosen``'s copies together, tensor by tensor (:func:`~remat.planning.measure.copyline.simulate`),
-    changes in its sum of prices: each option's own copy price out, the compute's waits on the timeline in."""
+@dataclass(frozen=True)
+class CopySchedule:
+    """How a plan whose kept blocks move saved tensors (``keep_offload``) runs its copies, and their timeline.
+
+    ``drains[p]``: the bytes of copies out the engine may hold when block ``p`` starts (None: no bound); the host
+    waits for the oldest beyond them (:meth:`~remat.policies.hostcopy.HostCopies.drain`), so what the plan's peak
+    counts holds however the link keeps up.  Each is what the copies left in flight there on the timeline, and
+    the last block's is 0: every copy is complete before the loss.  ``ahead``: a fetch of a moved tensor keeps
+    the copies back of the tensors before it started as far as this many bytes reach: twice the most a block moves,
+    so a block's tensors start back two blocks before backward needs them.  ``line``: the step's copies under it
+    (:func:`~remat.planning.measure.copyline.simulate`).
+
+    Example:
+        >>> copy_schedule(prof, chosen).drains
+        (None, 0, 92274688, ..., 0)
+    """
+
+    ahead: int
+    drains: tuple[int | None, ...]
+    line: Timeline
+
+
+_UNBOUNDED = 1 << 62
+_SCHEDULES_KEPT = 1024
+_schedules: dict[tuple[int, ...], tuple[StepProfile, tuple[BlockOption, ...], CopySchedule]] = {}
+
+
+def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySchedule | None:
+    """The schedule of ``chosen``'s copies (see :class:`CopySchedule`); None if no kept block moves tensors.
+
+    Example:
+        >>> schedule = copy_schedule(prof, chosen)
+        >>> schedule.line.wait  # seconds the compute stream waits for copies
+    """
+    if not any(o.copies for o in chosen):
+        return None
+    key = (id(prof), *map(id, chosen))
+    if key in _schedules:  # a plan is priced and sized more than once; the entry holds what its key names
+        return _schedules[key][-1]
     n = len(prof.rows)
     recompute, copies = [0.0] * n, [()] * n
-    p, alone = 0, 0.0
+    p = 0
     for o in chosen:
         recompute[p + o.span - 1] = o.extra_time - o.copy_time
         copies[p] = o.copies or ((Copy(0.0, 0.0, o.moved),) if o.moved else ())
-        alone += o.copy_time if o.copies or o.moved else 0.0
         p += o.span
     forward = [row.forward_time for row in prof.rows]
     head = max(0.0, prof.step_time - 3 * sum(forward))
-    line = simulate(forward, recompute, copies, link_for(prof.device), _window(prof.device), head)
-    return line.wait - alone
+    ahead = 2 * max(sum(c.nbytes for c in block if c.scheduled) for block in copies)
+    # the drains bound what the copies leave in flight at each block's start: probing with no bound gives it
+    probe = (None, *[_UNBOUNDED] * (n - 2), 0)
+    line = simulate(forward, recompute, copies, link_for(prof.device), _window(prof.device), head, ahead=ahead,
+                    drains=probe)
+    schedule = CopySchedule(ahead, (None, *line.after[1:-1], 0), line)
+    _schedules[key] = (prof, tuple(chosen), schedule)
+    while len(_schedules) > _SCHEDULES_KEPT:
+        _schedules.pop(next(iter(_schedules)))
+    return schedule
 
 
 def _window(device: str) -> int:

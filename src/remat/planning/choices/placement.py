@@ -1,4 +1,4 @@
-"""Where a plan's options sit among interchangeable blocks: the placement the copy timeline prices cheaper.
+"""Where a plan's options sit among interchangeable blocks, and which: what the copy timeline prices cheaper.
 
 The chain's dynamic program adds prices block by block, so two plans that give the same options to blocks alike
 in every figure (a transformer's layers) tie on its sums whichever blocks get which.  Their copies do not
@@ -6,6 +6,10 @@ tie: a block early in forward has the whole forward to hide its copies out behin
 its copies back needed first in backward.  :func:`cheaper_placement` swaps the options of such blocks while the
 step's timeline (:func:`~remat.planning.choices.options.step_extra_time`) prices the plan cheaper and its peak does not
 rise, so of the plans of equal memory the solver returns one the timeline prefers.
+
+A plan that moves kept blocks' tensors is sized stretch by stretch on its timeline, and often leaves room under its
+budget that the dynamic program's sums could not see; :func:`cheaper_choices` then gives single blocks a cheaper
+option of theirs while the timeline prices the plan lower and it still fits.
 
 Example:
     >>> placed = cheaper_placement(prof, placed, lambda chosen: predict(prof, chosen)[0])
@@ -18,15 +22,18 @@ from collections.abc import Callable, Sequence
 from ..measure.profile import StepProfile
 from .options import BlockOption, step_extra_time
 
-__all__ = ["cheaper_placement"]
+__all__ = ["cheaper_choices", "cheaper_placement"]
 
 _ROUNDS = 8  # passes over the pairs: each keeps only swaps that lower the price, so few are ever needed
 
 
 def cheaper_placement(prof: StepProfile, placed: list[tuple[int, BlockOption]] | None,
-                      peak: Callable[[Sequence[BlockOption]], int]) -> list[tuple[int, BlockOption]] | None:
+                      peak: Callable[[Sequence[BlockOption]], int], options: list[list[BlockOption]] | None = None
+                      ) -> list[tuple[int, BlockOption]] | None:
     """``placed`` (the block each run of options starts at, the option), with the options of alike single blocks
-    swapped where the step's timeline prices the plan lower at no higher ``peak``; None stays None.
+    swapped where the step's timeline prices the plan lower at no higher ``peak``; None stays None.  With
+    ``options`` (each block's), a block only takes an option like one it was offered (the chain's last block is
+    offered no copies out: backward starts there).
 
     Only plans that move bytes to host memory can be priced differently by placement; others come back as
     they are.
@@ -46,6 +53,8 @@ def cheaper_placement(prof: StepProfile, placed: list[tuple[int, BlockOption]] |
             for b in singles:
                 if b <= a or chosen[a] == chosen[b] or not _alike(prof, starts[a], starts[b]):
                     continue
+                if options is not None and (chosen[a] not in options[starts[b]] or chosen[b] not in options[starts[a]]):
+                    continue
                 trial = list(chosen)
                 trial[a], trial[b] = chosen[b], chosen[a]  # alike blocks: the same figures wherever an option runs
                 time = step_extra_time(prof, trial)
@@ -53,6 +62,38 @@ def cheaper_placement(prof: StepProfile, placed: list[tuple[int, BlockOption]] |
                     chosen, best_time, improved = trial, time, True
         if not improved:
             break
+    return list(zip(starts, chosen))
+
+
+def cheaper_choices(prof: StepProfile, placed: list[tuple[int, BlockOption]] | None, options: list[list[BlockOption]],
+                    peak: Callable[[Sequence[BlockOption]], int], budget: int) -> list[tuple[int, BlockOption]] | None:
+    """``placed``, with single blocks moved to another of their ``options`` (one block at a time, the move the timeline
+    prices lowest first) while the plan's price drops and its ``peak`` stays within ``budget``.  Only for plans whose
+    copies run under a schedule (kept blocks moving tensors); others come back as they are.
+
+    Example:
+        >>> cheaper_choices(prof, placed, chain_options(prof), lambda chosen: predict(prof, chosen)[0], budget)
+    """
+    if placed is None or not any(o.copies for _, o in placed):
+        return placed
+    chosen = [o for _, o in placed]
+    starts = [p for p, _ in placed]
+    best_time = step_extra_time(prof, chosen)
+    for _ in range(_ROUNDS):
+        best = None
+        for k, p in enumerate(starts):
+            if chosen[k].span > 1:
+                continue
+            for option in options[p]:
+                if option.span > 1 or option is chosen[k]:
+                    continue
+                trial = [*chosen[:k], option, *chosen[k + 1:]]
+                time = step_extra_time(prof, trial)
+                if time < (best[0] if best else best_time) and peak(trial) <= budget:
+                    best = (time, trial)
+        if best is None:
+            break
+        best_time, chosen = best
     return list(zip(starts, chosen))
 
 

@@ -17,16 +17,19 @@ anything, and warns about blocks like the planned ones that the plan leaves out.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...api.chunkedhead import chunk_lm_head, lm_head_chunks, unchunk_lm_head
 from ...api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
 from ...api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
+from ...policies.hostcopy import engine_for
 from ...policies.rules import save_matmuls
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.inputs import unwatch, watch_first_forward
@@ -59,7 +62,10 @@ class Plan:
     ``segments`` lists the runs of blocks checkpointed as one region each (their blocks' decision is
     ``"segment"``; ``blocks`` holds a run's summary under its first block).  ``head_chunks`` > 0: the output
     layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
-    LM; :mod:`remat.planning.solve.head`).
+    LM; :mod:`remat.planning.solve.head`).  ``copies``: where kept blocks move saved tensors, their copies' schedule
+    (:class:`~remat.planning.choices.options.CopySchedule`: ``{"device", "ahead", "drains": {module: bytes}}``):
+    ``apply`` has those blocks prefetch ``ahead`` bytes and each listed module wait, when its forward starts, until
+    the copies in flight are within its bytes.
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -79,6 +85,7 @@ class Plan:
     blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
     segments: list[list[str]] = field(default_factory=list)
     head_chunks: int = 0
+    copies: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
@@ -87,6 +94,10 @@ class Plan:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
         if name in self.policies:
             policy = BlockPolicy.from_dict(self.policies[name])
+            if self.copies and policy.offloaded_bytes:  # bounded by the drains, brought back ahead by bytes
+                ahead = self.copies["ahead"]
+                return (lambda m: policy.wrap(m, prefetch_bytes=ahead, in_flight=math.inf),
+                        (decision, policy.to_dict(), ahead))
             return policy.wrap, (decision, policy.to_dict())
         wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
         if wrap is None:
@@ -111,6 +122,7 @@ class Plan:
             >>> plan.apply(model)
         """
         self.check(model)
+        _remove_drains(model, self.decisions)
         if any(decision != "keep" for decision in self.decisions.values()):
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
         if self.meta.get("inputs"):
@@ -142,6 +154,9 @@ class Plan:
                 checkpoint_runs(container, runs, container_name)
             else:
                 remove_runs(container)
+        for name, nbytes in self.copies.get("drains", {}).items():
+            module = _locate(model, name)[2]
+            module._remat_drain = module.register_forward_pre_hook(_drain_hook(self.copies["device"], nbytes))
         return model
 
     def _containers(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -180,6 +195,7 @@ class Plan:
         Example:
             >>> plan.remove(model)
         """
+        _remove_drains(model, self.decisions)
         for name in self.decisions:
             parent, child, current = _locate(model, name)
             if isinstance(current, ActivationWrapper):
@@ -270,7 +286,7 @@ class Plan:
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "decisions": dict, "predicted_peak": int, "predicted_extra_time": (int, float), "budget": int,
     "baseline_peak": int, "param_bytes": int, "step_time": (int, float), "meta": dict, "policies": dict,
-    "blocks": dict, "segments": list, "head_chunks": int,
+    "blocks": dict, "segments": list, "head_chunks": int, "copies": dict,
 }
 
 
@@ -442,6 +458,28 @@ def _same_kind(model: nn.Module, blocks: Sequence[str]) -> list[str]:
             if type(_unwrapped(child)) in classes:
                 found.append(f"{parent_name}.{child_name}" if parent_name else child_name)
     return found
+
+
+def _drain_hook(device: str, nbytes: int) -> Callable[..., None]:
+    """A forward pre-hook: the host waits until the copies out in flight are within ``nbytes`` (not in a
+    recomputation, which runs in backward, nor while dynamo traces)."""
+    engine = engine_for(device.split(":")[0])
+
+    def drain(module: nn.Module, args: Any) -> None:
+        if engine is not None and torch._C._current_graph_task_id() == -1 and not torch.compiler.is_compiling():
+            engine.drain(nbytes)
+
+    return drain
+
+
+def _remove_drains(model: nn.Module, names: Sequence[str]) -> None:
+    for name in names:
+        current = _locate(model, name)[2]
+        for module in (current, getattr(current, "_checkpoint_wrapped_module", None)):
+            handle = getattr(module, "_remat_drain", None)
+            if handle is not None:
+                handle.remove()
+                del module._remat_drain
 
 
 def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:
