@@ -80,16 +80,21 @@ def test_a_tensor_starts_back_once_any_fetch_is_within_its_plans_reach(ahead, br
 def test_the_timeline_bounds_each_block_start_by_its_drain_and_counts_what_is_back_ahead():
     link = Link(1e9, 1e9)  # 1 ms per MB each way
     copies = [[Copy(1.0, 0.5, 3 * 10**6, scheduled=True)], [], [], []]
-    free = simulate([1e-3] * 4, [0.0] * 4, copies, link, 0, ahead=3 * 10**6, drains=[None, 1 << 62, 1 << 62, 0])
-    # 3 ms of copy behind 1 ms forwards: in flight at the next blocks' starts; the last block's drain waits 1 ms
-    assert free.forward_wait == pytest.approx(1e-3) and free.after == (0, 3 * 10**6, 3 * 10**6, 0)
-    bound = simulate([1e-3] * 4, [0.0] * 4, copies, link, 0, ahead=3 * 10**6, drains=[None, 0, 0, 0])
+    free = simulate([1e-3] * 4, [0.0] * 4, copies, link, 0, ahead=3 * 10**6, drains=[None, *[1 << 62] * 3], turn=0)
+    # 3 ms of copy behind 1 ms forwards: in flight at the next blocks' starts, complete as forward ends
+    assert free.forward_wait == 0.0 and free.after == (0, 3 * 10**6, 3 * 10**6, 3 * 10**6) and free.held == 0
+    bound = simulate([1e-3] * 4, [0.0] * 4, copies, link, 0, ahead=3 * 10**6, drains=[None, 0, 0, 0], turn=0)
     assert bound.forward_wait == pytest.approx(3e-3) and bound.after == (0, 0, 0, 0)  # block 1 waits it all
-    # backward: block 1's backward fetches nothing, block 0's tensor comes back in its own
-    assert bound.back == (0, 0, 0, 0)
-    ahead = simulate([1e-3] * 3, [0.0] * 3, [[Copy(1.0, 0.5, 10**6, scheduled=True)]] * 2 + [[]], link, 0,
-                     ahead=10**6, drains=[None, 1 << 62, 0])
-    assert ahead.back == (0, 10**6, 0)  # block 1's fetch brought block 0's tensor, a block ahead
+    late = simulate([1e-3] * 4, [0.0] * 4, copies, link, 0, ahead=3 * 10**6, drains=[None, *[1 << 62] * 3], turn=None)
+    assert late.held == 3 * 10**6 and late.wait == 0.0  # no drain at the end: held into backward, no round trip
+    # backward: nothing fetches before block 0's, whose tensor comes back then, 3 ms the compute waits for
+    assert bound.back == (0, 0, 0, 0) and bound.wait - bound.forward_wait == pytest.approx(3e-3)
+    chained = simulate([1e-3] * 3, [0.0] * 3, [[Copy(1.0, 0.5, 10**6, scheduled=True)]] * 2 + [[]], link, 0,
+                       ahead=10**6, drains=[None, 1 << 62, 1 << 62], turn=0)
+    assert chained.back == (0, 10**6, 0)  # block 1's fetch brought block 0's tensor, a block ahead
+    near = simulate([1e-3] * 3, [0.0] * 3, [[Copy(1.0, 0.5, 10**6, scheduled=True)]] * 2 + [[]], link, 0,
+                    ahead=10**6 - 1, drains=[None, 1 << 62, 1 << 62], turn=0)
+    assert near.back == (0, 0, 0)  # out of reach: it comes back when its own block fetches it
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +116,9 @@ def test_a_scheduled_plan_records_its_schedule_and_its_peak_counts_it(planned):
     _, prof, chosen, plan = planned
     schedule = copy_schedule(prof, chosen)
     names = [row.name for row in prof.rows]
-    assert plan.copies == {"device": prof.device, "ahead": schedule.ahead,
+    assert plan.copies == {"device": prof.device, "ahead": schedule.ahead, "last": names[-1],
                            "drains": dict(zip(names[1:], schedule.drains[1:], strict=True))}
-    assert plan.copies["drains"][names[-1]] == 0  # every copy out complete before the loss
+    assert schedule.line.held == 0  # every copy out complete when the last block's forward ends
     assert plan.predicted_peak == predict(prof, chosen)[0] < prof.peak_bytes
 
 
@@ -129,14 +134,14 @@ def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicte
     with use_device_model("cpu", fake):
         loaded.apply(model)
         loaded.apply(model)  # idempotent: one drain hook per block
-        drains = [m._remat_drain for m in model.blocks if hasattr(m, "_remat_drain")]
+        drains = [m._remat_schedule for m in model.blocks if hasattr(m, "_remat_schedule")]
         assert len(drains) == CFG.n_layers - 1
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
         for step in range(3):
             tokens, targets = synthetic_batch(CFG, 8, torch.Generator().manual_seed(step))
             results = []
             for m, opt in zip((plain, model), opts, strict=True):
-                def run(m=m):
+                def run(m=m, tokens=tokens, targets=targets):
                     F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten()).backward()
                 measured = remat.measure_step(run, m).peak_above_params
                 results.append([p.grad.clone() for p in m.parameters()])
@@ -146,5 +151,6 @@ def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicte
             assert measured <= plan.predicted_peak - fixed  # the drains hold the copies to what the plan counts
         assert fake.calls("host waits")  # the slow link made the drains wait
         loaded.remove(model)
-    assert not any(hasattr(m, "_remat_drain") for m in model.modules())
+    assert not any(hasattr(m, "_remat_schedule") for m in model.modules())
+    assert not any(m._forward_hooks for m in model.modules())
     assert not any(m._forward_pre_hooks for m in model.modules())

@@ -208,15 +208,15 @@ class CopySchedule:
 
     ``drains[p]``: the bytes of copies out the engine may hold when block ``p`` starts (None: no bound); the host
     waits for the oldest beyond them (:meth:`~remat.policies.hostcopy.HostCopies.drain`), so what the plan's peak
-    counts holds however the link keeps up.  Each is what the copies left in flight there on the timeline, and
-    the last block's is 0: every copy is complete before the loss.  ``ahead``: a fetch of a moved tensor keeps
-    the copies back of the tensors before it started as far as this many bytes reach: twice the most a block moves,
-    so a block's tensors start back two blocks before backward needs them.  ``line``: the step's copies under it
-    (:func:`~remat.planning.measure.copyline.simulate`).
+    counts holds however the link keeps up.  Each is what the copies left in flight there on the timeline; when
+    the last block's forward ends the bound is 0: every copy is complete before the loss.  ``ahead``: at each
+    fetch, the copies back of the moved tensors before it start as far as this many bytes reach: twice the most a
+    block moves, so a block's tensors start back up to two blocks before backward needs them.  ``line``: the step's
+    copies under it (:func:`~remat.planning.measure.copyline.simulate`).
 
     Example:
         >>> copy_schedule(prof, chosen).drains
-        (None, 0, 92274688, ..., 0)
+        (None, 0, 92274688, ..., 46137344)
     """
 
     ahead: int
@@ -252,10 +252,10 @@ def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySched
     head = max(0.0, prof.step_time - 3 * sum(forward))
     ahead = 2 * max(sum(c.nbytes for c in block if c.scheduled) for block in copies)
     # the drains bound what the copies leave in flight at each block's start: probing with no bound gives it
-    probe = (None, *[_UNBOUNDED] * (n - 2), 0)
+    probe = (None, *[_UNBOUNDED] * (n - 1))
     line = simulate(forward, recompute, copies, link_for(prof.device), _window(prof.device), head, ahead=ahead,
-                    drains=probe)
-    schedule = CopySchedule(ahead, (None, *line.after[1:-1], 0), line)
+                    drains=probe, turn=0)
+    schedule = CopySchedule(ahead, (None, *line.after[1:]), line)
     _schedules[key] = (prof, tuple(chosen), schedule)
     while len(_schedules) > _SCHEDULES_KEPT:
         _schedules.pop(next(iter(_schedules)))

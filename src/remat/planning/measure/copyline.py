@@ -18,9 +18,10 @@ much the compute waits.  :func:`simulate` follows its rules on one outbound and 
   for a tensor that is not back yet.  Copies back run one after another, each after its own copy out.
 * **A plan's schedule** (:mod:`remat.planning.solve.copyplan`).  A plan that moves a kept block's tensors bounds
   its copies at block starts instead of by the window: ``drains[p]`` is what the window may hold when block
-  ``p`` starts (the engine's :meth:`~remat.policies.hostcopy.HostCopies.drain`: the host waits for the oldest
-  copies beyond it), its ``scheduled`` copies go out with no window limit (nor count against other copies'), and
-  a fetch of one brings back the tensors before it as far as ``ahead`` bytes reach rather than ``depth`` tensors.
+  ``p`` starts and ``turn`` what it may hold when forward ends (the engine's
+  :meth:`~remat.policies.hostcopy.HostCopies.drain`: the host waits for the oldest copies beyond it).  Its
+  ``scheduled`` copies go out with no window limit (nor count against other copies'), and a fetch of one brings
+  back the tensors before it as far as ``ahead`` bytes reach rather than ``depth`` tensors.
 
 Example:
     >>> from remat.planning.measure.copies import MODELLED_LINK
@@ -86,7 +87,7 @@ class _Moved:
 
 def simulate(forward: Sequence[float], recompute: Sequence[float], copies: Sequence[Sequence[Copy]], link: Link,
              limit: int, head: float = 0.0, depth: int = PREFETCH_DEPTH, ahead: int | None = None,
-             drains: Sequence[int | None] | None = None) -> Timeline:
+             drains: Sequence[int | None] | None = None, turn: int | None = None) -> Timeline:
     """The compute stream's waits for ``copies`` (per block, see :class:`Copy`); ``forward``: each block's forward
     seconds, ``recompute``: what its recomputation adds in backward, ``head``: seconds between the last block's
     forward and its backward; ``limit`` and ``depth``: the engine's window and prefetch depth; ``ahead`` and
@@ -111,17 +112,21 @@ def simulate(forward: Sequence[float], recompute: Sequence[float], copies: Seque
         bounded -= 0 if oldest.scheduled else oldest.nbytes
         return oldest
 
+    def drain(nbytes: int) -> None:
+        nonlocal now, stalled
+        while window and window[0].out_end <= now:
+            pop()
+        late = None
+        while window and in_window > nbytes:
+            late = pop()
+        if late is not None and late.out_end > now:
+            stalled += late.out_end - now
+            now = late.out_end
+
     for p, (f, block) in enumerate(zip(forward, copies)):
         before.append(in_window)
         if drains is not None and drains[p] is not None:
-            while window and window[0].out_end <= now:
-                pop()
-            late = None
-            while window and in_window > drains[p]:
-                late = pop()
-            if late is not None and late.out_end > now:
-                stalled += late.out_end - now
-                now = late.out_end
+            drain(drains[p])
         after.append(in_window)
         done_at, moved = 0.0, []
         for c in sorted(block, key=lambda c: c.out_at):
@@ -146,6 +151,8 @@ def simulate(forward: Sequence[float], recompute: Sequence[float], copies: Seque
                 now = late.out_end
         now += (1 - done_at) * f
         saved.append(moved)
+    if turn is not None:
+        drain(turn)
     forward_wait = stalled
     held = sum(m.nbytes for m in window)
     now += head

@@ -8,8 +8,8 @@ so :func:`scheduled_peak` adds it where it is held rather than once for the step
 
 * a forward stretch before block ``p``: the copies in the window when block ``p`` starts (``before[p]``); block ``p``'s
   own forward: those its drain leaves (``after[p]``); block ``p``'s own tensors are its forward's anyway;
-* the stretches after the last block (the head and the loss): what the window still holds (nothing where the last
-  block moves nothing: its drain waits for every copy);
+* the stretches after the last block (the head and the loss): nothing, every copy is complete when the last
+  block's forward ends;
 * block ``p``'s backward, and the backward stretches after it: the earlier blocks' tensors already back (``back[p]``),
   and a recomputing block's own moved inputs, which its rerun needs.
 

@@ -23,14 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-import torch
 from torch import nn
 
 from ...api.chunkedhead import chunk_lm_head, lm_head_chunks, unchunk_lm_head
 from ...api.modules import ActivationWrapper, checkpoint_wrapper, offload_wrapper
 from ...api.sequential import checkpoint_runs, checkpointed_runs, remove_runs
-from ...policies.hostcopy import engine_for
 from ...policies.rules import save_matmuls
+from ...policies.schedule import schedule_hooks
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.inputs import unwatch, watch_first_forward
 from ..basics.kvcache import cache_off_in_training, restore_cache
@@ -63,9 +62,10 @@ class Plan:
     ``"segment"``; ``blocks`` holds a run's summary under its first block).  ``head_chunks`` > 0: the output
     layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
     LM; :mod:`remat.planning.solve.head`).  ``copies``: where kept blocks move saved tensors, their copies' schedule
-    (:class:`~remat.planning.choices.options.CopySchedule`: ``{"device", "ahead", "drains": {module: bytes}}``):
-    ``apply`` has those blocks prefetch ``ahead`` bytes and each listed module wait, when its forward starts, until
-    the copies in flight are within its bytes.
+    (:class:`~remat.planning.choices.options.CopySchedule`: ``{"device", "ahead", "drains": {module: bytes},
+    "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each listed module wait, when its forward
+    starts, until the copies in flight are within its bytes, and the ``last`` block wait for every copy when its
+    forward ends (:mod:`remat.policies.schedule`).
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -154,9 +154,12 @@ class Plan:
                 checkpoint_runs(container, runs, container_name)
             else:
                 remove_runs(container)
-        for name, nbytes in self.copies.get("drains", {}).items():
-            module = _locate(model, name)[2]
-            module._remat_drain = module.register_forward_pre_hook(_drain_hook(self.copies["device"], nbytes))
+        if self.copies:
+            drains, last = self.copies["drains"], self.copies["last"]
+            for name in {*drains, last}:
+                module = _locate(model, name)[2]
+                module._remat_schedule = schedule_hooks(module, self.copies["device"], before=drains.get(name),
+                                                        after=0 if name == last else None)
         return model
 
     def _containers(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -460,26 +463,14 @@ def _same_kind(model: nn.Module, blocks: Sequence[str]) -> list[str]:
     return found
 
 
-def _drain_hook(device: str, nbytes: int) -> Callable[..., None]:
-    """A forward pre-hook: the host waits until the copies out in flight are within ``nbytes`` (not in a
-    recomputation, which runs in backward, nor while dynamo traces)."""
-    engine = engine_for(device.split(":")[0])
-
-    def drain(module: nn.Module, args: Any) -> None:
-        if engine is not None and torch._C._current_graph_task_id() == -1 and not torch.compiler.is_compiling():
-            engine.drain(nbytes)
-
-    return drain
-
-
 def _remove_drains(model: nn.Module, names: Sequence[str]) -> None:
     for name in names:
         current = _locate(model, name)[2]
         for module in (current, getattr(current, "_checkpoint_wrapped_module", None)):
-            handle = getattr(module, "_remat_drain", None)
-            if handle is not None:
+            for handle in getattr(module, "_remat_schedule", ()):
                 handle.remove()
-                del module._remat_drain
+            if hasattr(module, "_remat_schedule"):
+                del module._remat_schedule
 
 
 def _locate(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Module]:

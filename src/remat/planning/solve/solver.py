@@ -325,7 +325,7 @@ def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget
             wrappers[names[0]] = o.wrap
     schedule = copy_schedule(prof, chosen)
     copies = {} if schedule is None else {
-        "device": prof.device, "ahead": schedule.ahead,
+        "device": prof.device, "ahead": schedule.ahead, "last": prof.rows[-1].name,
         "drains": {prof.rows[p].name: nbytes for p, nbytes in enumerate(schedule.drains) if nbytes is not None}}
     result = Plan(
         decisions=decisions,
@@ -369,12 +369,16 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
     return min(found, key=lambda placed: step_extra_time(prof, [o for _, o in placed]), default=None)
 
 
+_POLISHED = 3  # the cheapest candidates given cheaper options block by block: each may end somewhere else
+
+
 def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[BlockOption]],
                          placed: list[tuple[int, BlockOption]] | None) -> list[tuple[int, BlockOption]] | None:
     """``placed``, or the rule (:mod:`remat.planning.choices.baselines`) or offload-first plan
     (:func:`~remat.planning.solve.copyplan.offload_first`) within ``budget`` that costs less time, or as much time and
     less memory: the search merges states of many shared storages on the safe side and breaks ties of time by bytes
-    freed, not by the peak, so a rule could otherwise beat its plan on the same model; and it sees no timeline.  Then
+    freed, not by the peak, so a rule could otherwise beat its plan on the same model; and it sees no timeline.  The
+    few cheapest are given cheaper options block by block where the timeline has room, and the cheapest of those is
     placed among alike blocks where the copy timeline prices it cheaper (:mod:`remat.planning.choices.placement`)."""
     accounting = Accounting(prof)
     candidates = [] if placed is None else [placed]
@@ -383,10 +387,16 @@ def _no_worse_than_rules(prof: StepProfile, budget: int, options: list[list[Bloc
             candidates.append(list(enumerate(rule.chosen)))
     for chosen in offload_first(prof, options, budget, lambda chosen: _peak(prof, chosen, accounting)):
         candidates.append(list(enumerate(chosen)))
-    best = min(candidates, default=None, key=lambda c: (step_extra_time(prof, [o for _, o in c]),
-                                                      _peak(prof, [o for _, o in c], accounting)))
-    placed = cheaper_choices(prof, best, options, lambda chosen: _peak(prof, chosen, accounting), budget)
-    return cheaper_placement(prof, placed, lambda chosen: _peak(prof, chosen, accounting), options)
+    def price(placed: list[tuple[int, BlockOption]]) -> tuple[float, int]:
+        chosen = [o for _, o in placed]
+        return step_extra_time(prof, chosen), _peak(prof, chosen, accounting)
+
+    def peak(chosen: Sequence[BlockOption]) -> int:
+        return _peak(prof, chosen, accounting)
+
+    candidates.sort(key=price)
+    polished = [cheaper_choices(prof, c, options, peak, budget) for c in candidates[:_POLISHED]]
+    return cheaper_placement(prof, min(polished, key=price, default=None), peak, options)
 
 
 def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
