@@ -198,6 +198,38 @@ def test_a_plan_that_offloads_blocks_peaks_no_higher_than_predicted(monkeypatch)
 
 
 @cuda_only
+def test_a_plan_whose_kept_blocks_move_tensors_trains_bitwise_within_its_predicted_peak():
+    from remat.planning.choices.chain import chain_options
+    from remat.planning.solve.solver import plan_of
+
+    model, tokens, loss_fn = _gpt_on_cuda()
+    prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=2)
+    options = chain_options(prof)
+    moving = [[o for o in choices if o.name == "keep_offload"] for choices in options]
+    assert all(moving[:-1]) and not moving[-1]  # on CUDA every block but the last may move its largest tensors
+    chosen = [levels[1] if levels else choices[0] for levels, choices in zip(moving, options, strict=True)]
+    plan = plan_of(prof, list(enumerate(chosen)), prof.peak_bytes)
+    assert plan.copies["drains"] and plan.predicted_peak < prof.peak_bytes
+    measured = _planned_cuda_peak(model, plan, tokens, loss_fn)
+    assert measured <= 1.03 * plan.predicted_peak, (plan.copies, plan.predicted_peak, measured)
+    planned = copy.deepcopy(model)
+    plan.apply(planned)
+    for _step in range(3):  # an optimizer step between: the copies' pool and the drains serve every step alike
+        grads = []
+        for m in (model, planned):
+            loss_fn(m(tokens)).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 1e-3 * p.grad
+            m.zero_grad(set_to_none=True)
+        assert_bitwise(*grads)
+    chosen_by_planner = prof.plan(0.8, allow=("checkpoint", "keep_offload"))
+    measured = _planned_cuda_peak(model, chosen_by_planner, tokens, loss_fn)
+    assert measured <= 1.03 * chosen_by_planner.predicted_peak, (chosen_by_planner.decisions, measured)
+
+
+@cuda_only
 def test_compiled_checkpoint_matches_torch_compiled_checkpoint():
     import torch.utils.checkpoint as torch_checkpoint
 

@@ -17,8 +17,7 @@ the link from neighbours that move less.
 A plan with such blocks runs its copies under a schedule (:func:`~remat.planning.choices.options.copy_schedule`): no
 window limit in forward, the copies in flight bounded at each block's start instead, prefetch a block ahead in
 backward; its peak counts the bytes the copies hold at each stretch of the step
-(:mod:`remat.planning.solve.copyplan`).  The option's ``in_flight`` (its largest tensor) only steers the chain's
-dynamic program, which sees no timeline.
+(:mod:`remat.planning.solve.copyplan`), so the option counts nothing in flight of its own (``in_flight`` 0).
 
 The chain's last block has none: backward starts there, with nothing to hide its copies back behind (and the
 tensors it saves last stay on the device anyway, in the engine's window).
@@ -85,7 +84,6 @@ def keep_offload_options(prof: StepProfile, link: Link) -> dict[int, list[BlockO
 def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link) -> BlockOption:
     nodes = graph.nodes
     moved = sum(nodes[i].saved_bytes for i in chosen)
-    largest = max(nodes[i].saved_bytes for i in chosen)
     # a tensor is made when its op ends: its share of the block's forward; backward uses it at the mirror point
     total = sum(n.wall_time for n in nodes) or 1.0
     ends, elapsed = {}, 0.0
@@ -100,7 +98,7 @@ def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link
                                   for i in sorted(chosen)])
     return BlockOption("keep_offload", max(row.held_bytes, row.own_bytes - moved), _host_time(graph, len(chosen))
                        + alone, wrap=policy.wrap, policy=policy, copy_time=alone,
-                       in_flight=largest, copies=copies)
+                       copies=copies)
 
 
 def _host_time(graph: BlockGraph, moved: int) -> float:

@@ -67,9 +67,10 @@ def cheaper_placement(prof: StepProfile, placed: list[tuple[int, BlockOption]] |
 
 def cheaper_choices(prof: StepProfile, placed: list[tuple[int, BlockOption]] | None, options: list[list[BlockOption]],
                     peak: Callable[[Sequence[BlockOption]], int], budget: int) -> list[tuple[int, BlockOption]] | None:
-    """``placed``, with single blocks moved to another of their ``options`` (one block at a time, the move the timeline
-    prices lowest first) while the plan's price drops and its ``peak`` stays within ``budget``.  Only for plans whose
-    copies run under a schedule (kept blocks moving tensors); others come back as they are.
+    """``placed``, with single blocks moved to another of their ``options`` (one block at a time, the best move first)
+    while the timeline prices the plan lower, or as low at a lower ``peak`` (room another move may then spend), and
+    it stays within ``budget``.  Only for plans whose copies run under a schedule (kept blocks moving tensors); others
+    come back as they are.
 
     Example:
         >>> cheaper_choices(prof, placed, chain_options(prof), lambda chosen: predict(prof, chosen)[0], budget)
@@ -78,8 +79,8 @@ def cheaper_choices(prof: StepProfile, placed: list[tuple[int, BlockOption]] | N
         return placed
     chosen = [o for _, o in placed]
     starts = [p for p, _ in placed]
-    best_time = step_extra_time(prof, chosen)
-    for _ in range(_ROUNDS):
+    current = (step_extra_time(prof, chosen), peak(chosen))
+    for _ in range(_ROUNDS * len(chosen)):  # each move lowers (time, peak): no move comes back
         best = None
         for k, p in enumerate(starts):
             if chosen[k].span > 1:
@@ -89,11 +90,14 @@ def cheaper_choices(prof: StepProfile, placed: list[tuple[int, BlockOption]] | N
                     continue
                 trial = [*chosen[:k], option, *chosen[k + 1:]]
                 time = step_extra_time(prof, trial)
-                if time < (best[0] if best else best_time) and peak(trial) <= budget:
-                    best = (time, trial)
+                if time > (best[0][0] if best else current[0]):
+                    continue
+                priced = (time, peak(trial))
+                if priced[1] <= budget and priced < (best[0] if best else current):
+                    best = (priced, trial)
         if best is None:
             break
-        best_time, chosen = best
+        current, chosen = best
     return list(zip(starts, chosen))
 
 

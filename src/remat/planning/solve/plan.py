@@ -275,6 +275,9 @@ class Plan:
             summary += f" ({sum(len(run) for run in self.segments)} blocks in segments)"
         if self.head_chunks:
             summary += f"; output layer and loss in {self.head_chunks} chunks"
+        if self.copies:
+            summary += (f"; copies bounded at {len(self.copies['drains'])} block starts, all out before the loss, "
+                        f"back up to {format_bytes(self.copies['ahead'])} ahead")
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(

@@ -351,7 +351,8 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
     The offload hooks' window is one for the whole step (the largest ``in_flight`` among the chosen options),
     which the chain's sums cannot express: for each window an option may bring, the plans whose options bring
     no larger one are solved under the budget less it, and the cheapest of those that fit is the optimum.  A plan
-    whose copies run under a schedule is checked against its own peak, stretch by stretch.
+    whose copies run under a schedule is checked against its own peak, stretch by stretch; one that overshoots is
+    solved again under a budget lower by the overshoot (a few times at most).
 
     Example:
         >>> placed = cheapest(prof, prof.peak_bytes // 2, chain_options(prof))
@@ -361,14 +362,21 @@ def cheapest(prof: StepProfile, budget: int, options: list[list[BlockOption]], w
     found = []
     for window in windows:
         candidates = [[o for o in choices if o.in_flight <= window] for choices in options]
-        indices = _solve(prof, budget - window, candidates, with_cost, accounting)
-        if indices is not None:
+        target = budget - window
+        for _ in range(_RETRIES):
+            indices = _solve(prof, target, candidates, with_cost, accounting)
+            if indices is None:
+                break
             placed = [(p, candidates[p][i]) for p, i in indices]
-            if _peak(prof, [o for _, o in placed], accounting) <= budget:
+            overshoot = _peak(prof, [o for _, o in placed], accounting) - budget
+            if overshoot <= 0:
                 found.append(placed)
+                break
+            target -= overshoot  # a scheduled plan's copies held more than its sums: ask the sums for that much less
     return min(found, key=lambda placed: step_extra_time(prof, [o for _, o in placed]), default=None)
 
 
+_RETRIES = 4  # solves per window when a scheduled plan's own peak overshoots the budget its sums met
 _POLISHED = 3  # the cheapest candidates given cheaper options block by block: each may end somewhere else
 
 
