@@ -291,7 +291,11 @@ def plan_from_profile(
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
     options = _resolve_options(prof, allow, options)
-    placed = _no_worse_than_rules(prof, budget_bytes, options, cheapest(prof, budget_bytes, options))
+    # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
+    # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
+    # the search weigh every level on the timeline)
+    hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
+    placed = _no_worse_than_rules(prof, budget_bytes, options, cheapest(prof, budget_bytes, hidden))
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
