@@ -1,4 +1,4 @@
-"""Where a plan's options sit among interchangeable blocks, and which: what the copy timeline prices cheaper.
+"""Where a plan's options sit among interchangeable blocks: the placement the copy timeline prices cheaper.
 
 The chain's dynamic program adds prices block by block, so two plans that give the same options to blocks alike
 in every figure (a transformer's layers) tie on its sums whichever blocks get which.  Their copies do not
@@ -6,10 +6,6 @@ tie: a block early in forward has the whole forward to hide its copies out behin
 its copies back needed first in backward.  :func:`cheaper_placement` swaps the options of such blocks while the
 step's timeline (:func:`~remat.planning.choices.options.step_extra_time`) prices the plan cheaper and its peak does not
 rise, so of the plans of equal memory the solver returns one the timeline prefers.
-
-A plan that moves kept blocks' tensors is sized stretch by stretch on its timeline, and often leaves room under its
-budget that the dynamic program's sums could not see; :func:`cheaper_choices` then gives single blocks a cheaper
-option of theirs while the timeline prices the plan lower and it still fits.
 
 Example:
     >>> placed = cheaper_placement(prof, placed, lambda chosen: predict(prof, chosen)[0])
@@ -22,7 +18,7 @@ from collections.abc import Callable, Sequence
 from ..measure.profile import StepProfile
 from .options import BlockOption, step_extra_time
 
-__all__ = ["cheaper_choices", "cheaper_placement"]
+__all__ = ["cheaper_placement"]
 
 _ROUNDS = 8  # passes over the pairs: each keeps only swaps that lower the price, so few are ever needed
 
@@ -62,42 +58,6 @@ def cheaper_placement(prof: StepProfile, placed: list[tuple[int, BlockOption]] |
                     chosen, best_time, improved = trial, time, True
         if not improved:
             break
-    return list(zip(starts, chosen))
-
-
-def cheaper_choices(prof: StepProfile, placed: list[tuple[int, BlockOption]] | None, options: list[list[BlockOption]],
-                    peak: Callable[[Sequence[BlockOption]], int], budget: int) -> list[tuple[int, BlockOption]] | None:
-    """``placed``, with single blocks moved to another of their ``options`` (one block at a time, the best move first)
-    while the timeline prices the plan lower, or as low at a lower ``peak`` (room another move may then spend), and
-    it stays within ``budget``.  Only for plans whose copies run under a schedule (kept blocks moving tensors); others
-    come back as they are.
-
-    Example:
-        >>> cheaper_choices(prof, placed, chain_options(prof), lambda chosen: predict(prof, chosen)[0], budget)
-    """
-    if placed is None or not any(o.copies for _, o in placed):
-        return placed
-    chosen = [o for _, o in placed]
-    starts = [p for p, _ in placed]
-    current = (step_extra_time(prof, chosen), peak(chosen))
-    for _ in range(_ROUNDS * len(chosen)):  # each move lowers (time, peak): no move comes back
-        best = None
-        for k, p in enumerate(starts):
-            if chosen[k].span > 1:
-                continue
-            for option in options[p]:
-                if option.span > 1 or option is chosen[k]:
-                    continue
-                trial = [*chosen[:k], option, *chosen[k + 1:]]
-                time = step_extra_time(prof, trial)
-                if time > (best[0][0] if best else current[0]):
-                    continue
-                priced = (time, peak(trial))
-                if priced[1] <= budget and priced < (best[0] if best else current):
-                    best = (priced, trial)
-        if best is None:
-            break
-        current, chosen = best
     return list(zip(starts, chosen))
 
 

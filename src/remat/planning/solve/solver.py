@@ -52,8 +52,9 @@ from typing import Any
 from ..basics.units import Budget, parse_budget
 from ..choices.baselines import rules
 from ..choices.chain import chain_options
+from ..choices.moves import cheaper_choices
 from ..choices.options import DEFAULT_ALLOW, BlockOption, copy_schedule, step_extra_time
-from ..choices.placement import cheaper_choices, cheaper_placement
+from ..choices.placement import cheaper_placement
 from ..measure.profile import StepProfile
 from .accounting import Accounting
 from .copyplan import offload_first, scheduled_peak
