@@ -117,7 +117,8 @@ def test_a_scheduled_plan_records_its_schedule_and_its_peak_counts_it(planned):
     schedule = copy_schedule(prof, chosen)
     names = [row.name for row in prof.rows]
     assert plan.copies == {"device": prof.device, "ahead": schedule.ahead, "last": names[-1],
-                           "drains": dict(zip(names[1:], schedule.drains[1:], strict=True))}
+                           "drains": dict(zip(names[1:], schedule.drains[1:], strict=True)),
+                           "ends": dict(zip(names[:-1], schedule.line.before[1:], strict=True))}
     assert schedule.line.held == 0  # every copy out complete when the last block's forward ends
     assert plan.predicted_peak == predict(prof, chosen)[0] < prof.peak_bytes
 
@@ -135,7 +136,7 @@ def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicte
         loaded.apply(model)
         loaded.apply(model)  # idempotent: one drain hook per block
         drains = [m._remat_schedule for m in model.blocks if hasattr(m, "_remat_schedule")]
-        assert len(drains) == CFG.n_layers - 1
+        assert len(drains) == CFG.n_layers and sum(map(len, drains)) == 2 * CFG.n_layers - 1
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
         for step in range(3):
             tokens, targets = synthetic_batch(CFG, 8, torch.Generator().manual_seed(step))

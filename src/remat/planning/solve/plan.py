@@ -63,9 +63,10 @@ class Plan:
     layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
     LM; :mod:`remat.planning.solve.head`).  ``copies``: where kept blocks move saved tensors, their copies' schedule
     (:class:`~remat.planning.choices.options.CopySchedule`: ``{"device", "ahead", "drains": {module: bytes},
-    "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each listed module wait, when its forward
-    starts, until the copies in flight are within its bytes, and the ``last`` block wait for every copy when its
-    forward ends (:mod:`remat.policies.schedule`).
+    "ends": {module: bytes}, "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each module of
+    ``drains`` wait, when its forward starts, until the copies in flight are within its bytes, each of ``ends`` when
+    its forward ends (what the peak counts until the next block starts), and the ``last`` block wait for every copy
+    when its forward ends (:mod:`remat.policies.schedule`).
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -155,11 +156,12 @@ class Plan:
             else:
                 remove_runs(container)
         if self.copies:
-            drains, last = self.copies["drains"], self.copies["last"]
-            for name in {*drains, last}:
+            drains = self.copies["drains"]
+            ends = {**self.copies.get("ends", {}), self.copies["last"]: 0}
+            for name in {*drains, *ends}:
                 module = _locate(model, name)[2]
                 module._remat_schedule = schedule_hooks(module, self.copies["device"], before=drains.get(name),
-                                                        after=0 if name == last else None)
+                                                        after=ends.get(name))
         return model
 
     def _containers(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -276,8 +278,8 @@ class Plan:
         if self.head_chunks:
             summary += f"; output layer and loss in {self.head_chunks} chunks"
         if self.copies:
-            summary += (f"; copies bounded at {len(self.copies['drains'])} block starts, all out before the loss, "
-                        f"back up to {format_bytes(self.copies['ahead'])} ahead")
+            summary += (f"; copies bounded where {len(self.copies['drains'])} blocks start and where blocks end, "
+                        f"all out before the loss, back up to {format_bytes(self.copies['ahead'])} ahead")
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(

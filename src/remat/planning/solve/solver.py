@@ -329,9 +329,13 @@ def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget
         if o.wrap is not None:
             wrappers[names[0]] = o.wrap
     schedule = copy_schedule(prof, chosen)
+    names = [row.name for row in prof.rows]
     copies = {} if schedule is None else {
-        "device": prof.device, "ahead": schedule.ahead, "last": prof.rows[-1].name,
-        "drains": {prof.rows[p].name: nbytes for p, nbytes in enumerate(schedule.drains) if nbytes is not None}}
+        "device": prof.device, "ahead": schedule.ahead, "last": names[-1],
+        "drains": {names[p]: nbytes for p, nbytes in enumerate(schedule.drains) if nbytes is not None},
+        # what the peak counts between a block and the next (a module may run there): the host may have let go
+        # of fewer copies than the timeline did when the next block starts
+        "ends": dict(zip(names[:-1], schedule.line.before[1:], strict=True))}
     result = Plan(
         decisions=decisions,
         predicted_peak=_peak(prof, chosen),
