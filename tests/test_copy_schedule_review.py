@@ -13,6 +13,7 @@ from fake_device import FakeDevice
 from torch import nn
 
 import remat
+from remat.planning.choices.chain import segment_options
 from remat.planning.choices.keptoffload import keep_offload_options
 from remat.planning.choices.options import BlockOption, copy_schedule
 from remat.planning.measure.copies import MODELLED_LINK
@@ -94,3 +95,52 @@ def test_copies_held_between_blocks_stay_within_what_the_plan_counts_there(net):
         finally:
             plan.remove(model)
     assert measured - baseline <= plan.predicted_peak - prof.peak_bytes
+
+
+def _scheduled(prof) -> list[BlockOption]:
+    found = keep_offload_options(prof, MODELLED_LINK)
+    return [found[p][-1] if p in found else BlockOption("keep", row.own_bytes) for p, row in enumerate(prof.rows)]
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.fixture(scope="module")
+def stack():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), nn.Sequential(*[_Block() for _ in range(4)]), nn.Linear(D, 8))
+    x = torch.randn(8, 128, D)
+    prof = remat.profile(model, x, loss_fn=_loss, repeats=1, modules=[f"1.{i}" for i in range(4)])
+    return model, x, prof
+
+
+def test_another_plan_applied_over_a_scheduled_one_leaves_no_drain_and_drains_wait_only_in_forward(stack):
+    model, x, prof = stack
+    chosen = _scheduled(prof)
+    segment = next(o for o in segment_options(prof)[1] if o.span == 2)
+    placed = [(0, chosen[0]), (1, segment), (3, chosen[3])]  # a segment's blocks run again in its recomputation
+    scheduled = plan_of(prof, placed, prof.peak_bytes)
+    assert scheduled.copies and scheduled.segments == [["1.1", "1.2"]]
+    row = prof.rows[1]
+    plain = plan_of(prof, [(1, BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes,
+                                           True))], prof.peak_bytes)
+    fake = FakeDevice(d2h_bytes_per_s=2.0**28, h2d_bytes_per_s=2.0**28)
+    with use_device_model("cpu", fake) as engine:
+        scheduled.apply(model)
+        assert _hooks(model) == 2 * len(prof.rows) - 1
+        drained = []
+        engine.drain = lambda nbytes=0, drain=engine.drain: (drained.append(nbytes), drain(nbytes))[1]
+        with torch.no_grad():
+            model(x)
+        assert not drained  # nothing saved, nothing to bound
+        loss = _loss(model(x))
+        assert len(drained) == 2 * len(prof.rows) - 1
+        loss.backward()
+        assert len(drained) == 2 * len(prof.rows) - 1  # none in the segment's recomputation
+        plain.apply(model)
+        assert _hooks(model) == 0 and not any(hasattr(m, "_remat_schedule") for m in model.modules())
+        scheduled.apply(model)
+        plain.remove(model)  # removing any plan of these blocks takes the schedule with it
+        assert _hooks(model) == 0
+    model.zero_grad(set_to_none=True)
