@@ -6,6 +6,9 @@ go of: what the plan counts must hold there too.
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,9 +19,11 @@ import remat
 from remat.planning.choices.chain import segment_options
 from remat.planning.choices.keptoffload import keep_offload_options
 from remat.planning.choices.options import BlockOption, copy_schedule
-from remat.planning.measure.copies import MODELLED_LINK
+from remat.planning.measure.copies import MODELLED_LINK, Link
+from remat.planning.measure.copyline import Copy, simulate
 from remat.planning.solve.solver import plan_of
 from remat.policies.hostcopy import use_device_model
+from remat.policies.offload import PREFETCH_DEPTH
 
 D = 256
 
@@ -144,3 +149,47 @@ def test_another_plan_applied_over_a_scheduled_one_leaves_no_drain_and_drains_wa
         plain.remove(model)  # removing any plan of these blocks takes the schedule with it
         assert _hooks(model) == 0
     model.zero_grad(set_to_none=True)
+
+
+def _engine_back(copies: list[list[Copy]], ahead: int) -> tuple[int, ...]:
+    """What the engine has brought back of earlier blocks' tensors when each block's fetches end, fetching in the
+    timeline's order: scheduled tensors by bytes, the others (a checkpoint's inputs) by depth."""
+    with use_device_model("cpu", FakeDevice()) as engine:
+        saved, tensors = [], []
+        for block in copies:
+            mine = []
+            for c in sorted(block, key=lambda c: c.out_at):
+                tensors.append(torch.zeros(c.nbytes // 4))
+                mine.append((c, engine.stash(tensors[-1], check_version=True, hold_in_flight=True,
+                                             limit=math.inf if c.scheduled else None,
+                                             ahead=ahead if c.scheduled else None)))
+            saved.append(mine)
+        engine.drain(0)  # the last block's drain: nothing held into backward
+        back = [0] * len(copies)
+        for i in reversed(range(len(copies))):
+            for c, handle in sorted(saved[i], key=lambda pair: pair[0].back_at):
+                if c.scheduled:
+                    engine.fetch(handle, prefetch_bytes=ahead)
+                else:
+                    engine.fetch(handle, PREFETCH_DEPTH)
+            back[i] = sum(h.layout.nbytes for block in saved[:i] for _, h in block if h.on_device is not None)
+        return tuple(back)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_engine_brings_back_ahead_exactly_what_the_timeline_counts(seed):
+    rng = random.Random(seed)
+    unit = 1 << 16
+    copies = []
+    for _ in range(rng.randint(2, 6)):
+        kind = rng.choice(("keep_offload", "checkpoint_offload", "keep"))
+        if kind == "keep_offload":
+            made = sorted(rng.random() for _ in range(rng.randint(1, 3)))
+            copies.append([Copy(at, 1 - at, rng.randint(1, 4) * unit, scheduled=True) for at in made])
+        else:
+            copies.append([Copy(0.0, 0.0, rng.randint(1, 4) * unit)] if kind == "checkpoint_offload" else [])
+    ahead = rng.randint(1, 10) * unit
+    n = len(copies)
+    line = simulate([1e-3] * n, [0.0] * n, copies, Link(1e9, 1e9), 1 << 40, ahead=ahead,
+                    drains=[None, *[1 << 62] * (n - 1)], turn=0)
+    assert _engine_back(copies, ahead) == line.back
