@@ -6,8 +6,9 @@ copies go out with no window limit, are bounded at each block's start (the host 
 bound), and come back a block or two ahead.  What the copies hold on the device then differs from stretch to stretch,
 so :func:`scheduled_peak` adds it where it is held rather than once for the step:
 
-* a forward stretch before block ``p``: the copies in the window when block ``p`` starts (``before[p]``); block ``p``'s
-  own forward: those its drain leaves (``after[p]``); block ``p``'s own tensors are its forward's anyway;
+* a forward stretch before block ``p``: the copies in the window when block ``p`` starts (``before[p]``, which the
+  drain where block ``p - 1`` ends holds them to); block ``p``'s own forward: those its drain leaves (``after[p]``);
+  block ``p``'s own tensors are its forward's anyway;
 * the stretches after the last block (the head and the loss): nothing, every copy is complete when the last
   block's forward ends;
 * block ``p``'s backward, and the backward stretches after it: the earlier blocks' tensors already back (``back[p]``),

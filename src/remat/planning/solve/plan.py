@@ -95,7 +95,7 @@ class Plan:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
         if name in self.policies:
             policy = BlockPolicy.from_dict(self.policies[name])
-            if self.copies and policy.offloaded_bytes:  # bounded by the drains, brought back ahead by bytes
+            if self.copies and policy.mode == "keep" and policy.offloaded_bytes:  # bounded by the drains, back by bytes
                 ahead = self.copies["ahead"]
                 return (lambda m: policy.wrap(m, prefetch_bytes=ahead, in_flight=math.inf),
                         (decision, policy.to_dict(), ahead))
