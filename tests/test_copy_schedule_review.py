@@ -21,7 +21,7 @@ from remat.planning.choices.keptoffload import keep_offload_options
 from remat.planning.choices.options import BlockOption, copy_schedule
 from remat.planning.measure.copies import MODELLED_LINK, Link
 from remat.planning.measure.copyline import Copy, simulate
-from remat.planning.solve.solver import plan_of
+from remat.planning.solve.solver import _smallest_peak, plan_from_profile, plan_of
 from remat.policies.hostcopy import use_device_model
 from remat.policies.offload import PREFETCH_DEPTH
 
@@ -193,3 +193,15 @@ def test_the_engine_brings_back_ahead_exactly_what_the_timeline_counts(seed):
     line = simulate([1e-3] * n, [0.0] * n, copies, Link(1e9, 1e9), 1 << 40, ahead=ahead,
                     drains=[None, *[1 << 62] * (n - 1)], turn=0)
     assert _engine_back(copies, ahead) == line.back
+
+
+def test_a_budget_only_kept_blocks_moving_more_than_their_forward_hides_can_meet_is_planned(net):
+    _, _, prof = net
+    slow = Link(1e6, 1e6)  # every level's copies outlast its block's forward: the chain's sums do not weigh them
+    found = keep_offload_options(prof, slow)
+    options = [[BlockOption("keep", row.own_bytes), *found.get(p, ())] for p, row in enumerate(prof.rows)]
+    assert all(o.copy_time > 0 for extra in found.values() for o in extra)
+    budget = _smallest_peak(prof, options)
+    assert budget < prof.peak_bytes
+    plan = plan_from_profile(prof, budget, options=options)  # no longer refused as "no plan fits"
+    assert plan.copies and plan.predicted_peak <= budget

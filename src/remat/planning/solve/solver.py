@@ -296,7 +296,10 @@ def plan_from_profile(
     # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
     # the search weigh every level on the timeline)
     hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
-    placed = _no_worse_than_rules(prof, budget_bytes, options, cheapest(prof, budget_bytes, hidden))
+    placed = cheapest(prof, budget_bytes, hidden)
+    if placed is None and sum(map(len, hidden)) < sum(map(len, options)):
+        placed = cheapest(prof, budget_bytes, options)  # the levels left out may be the only ones that fit
+    placed = _no_worse_than_rules(prof, budget_bytes, options, placed)
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
