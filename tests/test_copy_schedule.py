@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fake_device import FakeDevice
-from helpers import assert_bitwise
+from helpers import assert_bitwise, gpt_case
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
@@ -99,13 +99,7 @@ def test_the_timeline_bounds_each_block_start_by_its_drain_and_counts_what_is_ba
 
 @pytest.fixture(scope="module")
 def planned():
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    tokens, targets = synthetic_batch(CFG, 8)
-
-    def loss_fn(logits):
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
+    model, tokens, _, loss_fn = gpt_case(CFG, 8)
     prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=1)
     found = keep_offload_options(prof, MODELLED_LINK)
     chosen = [found[p][1] if p in found else BlockOption("keep", row.own_bytes) for p, row in enumerate(prof.rows)]
