@@ -61,7 +61,7 @@ class Plan:
     ``segments`` lists the runs of blocks checkpointed as one region each (their blocks' decision is
     ``"segment"``; ``blocks`` holds a run's summary under its first block).  ``head_chunks`` > 0: the output
     layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
-    LM; :mod:`remat.planning.solve.head`).  ``copies``: where kept blocks move saved tensors, their copies' schedule
+    LM; :mod:`remat.planning.solve.head`).  ``copies``: where blocks move bytes to host memory, their copies' schedule
     (:class:`~remat.planning.choices.options.CopySchedule`: ``{"device", "ahead", "drains": {module: bytes},
     "ends": {module: bytes}, "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each module of
     ``drains`` wait, when its forward starts, until the copies in flight are within its bytes, each of ``ends`` when
@@ -95,7 +95,7 @@ class Plan:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
         if name in self.policies:
             policy = BlockPolicy.from_dict(self.policies[name])
-            if self.copies and policy.mode == "keep" and policy.offloaded_bytes:  # bounded by the drains, back by bytes
+            if self.copies.get("ahead") and policy.mode == "keep" and policy.offloaded_bytes:  # back ahead by bytes
                 ahead = self.copies["ahead"]
                 return (lambda m: policy.wrap(m, prefetch_bytes=ahead, in_flight=math.inf),
                         (decision, policy.to_dict(), ahead))
@@ -278,8 +278,9 @@ class Plan:
         if self.head_chunks:
             summary += f"; output layer and loss in {self.head_chunks} chunks"
         if self.copies:
+            ahead = self.copies["ahead"]
             summary += (f"; copies bounded where {len(self.copies['drains'])} blocks start and where blocks end, "
-                        f"all out before the loss, back up to {format_bytes(self.copies['ahead'])} ahead")
+                        "all out before the loss" + (f", back up to {format_bytes(ahead)} ahead" if ahead else ""))
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(

@@ -21,9 +21,11 @@ option             kept own bytes                               extra time
                    (:mod:`remat.planning.choices.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
-``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory, two blocks'
-inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
-block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.measure.copies`).
+``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory; its time is
+checkpoint's plus the copy back's beyond the next block's backward.  ``keep_offload`` keeps all but its largest saved
+tensors, which go to host memory.  A plan with either runs its copies under a schedule, is priced on the copy engine's
+timeline (:mod:`remat.planning.measure.copyline`) and sized stretch by stretch (:mod:`remat.planning.solve.copyplan`);
+for the dynamic program, ``checkpoint_offload`` counts two blocks' inputs in flight once for the step.
 
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak ``P``; with a
 plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each *shared* storage whose
@@ -112,7 +114,7 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
 
 def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: Accounting | None = None) -> int:
     """The chain's peak, and the bytes the offload hooks' copies may hold on the device at once: one window for the
-    whole step, or, where kept blocks move tensors under a schedule, what it holds at each stretch."""
+    whole step, or, where blocks move bytes under a schedule, what it holds at each stretch."""
     schedule = copy_schedule(prof, chosen)
     if schedule is not None:
         return scheduled_peak(prof, chosen, accounting or Accounting(prof), schedule)
