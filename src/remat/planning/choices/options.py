@@ -213,8 +213,7 @@ class CopySchedule:
 
 
 _UNBOUNDED = 1 << 62
-_SCHEDULES_KEPT = 1024
-_schedules: dict[tuple[int, ...], tuple[StepProfile, tuple[BlockOption, ...], CopySchedule]] = {}
+_SCHEDULES_KEPT = 1024  # per profile: the plans a search prices and sizes more than once
 
 
 def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySchedule | None:
@@ -226,9 +225,12 @@ def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySched
     """
     if not any(o.copies or o.moved for o in chosen):
         return None
-    key = (id(prof), *map(id, chosen))
-    if key in _schedules:  # a plan is priced and sized more than once; the entry holds what its key names
-        return _schedules[key][-1]
+    window = _window(prof.device)
+    key = (window, *map(id, chosen))
+    # kept with the profile, so they go with it; each entry holds the options its key names
+    schedules = prof.__dict__.setdefault("_copy_schedules", {})
+    if key in schedules:
+        return schedules[key][-1]
     n = len(prof.rows)
     recompute, copies = [0.0] * n, [()] * n
     p = 0
@@ -241,12 +243,12 @@ def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySched
     ahead = 2 * max(sum(c.nbytes for c in block if c.scheduled) for block in copies) or None
     # the drains bound what the copies leave in flight at each block's start: probing with no bound gives it
     probe = (None, *[_UNBOUNDED] * (n - 1))
-    line = simulate(forward, recompute, copies, link_for(prof.device), _window(prof.device), head, ahead=ahead,
+    line = simulate(forward, recompute, copies, link_for(prof.device), window, head, ahead=ahead,
                     drains=probe, turn=0)
     schedule = CopySchedule(ahead, (None, *line.after[1:]), line)
-    _schedules[key] = (prof, tuple(chosen), schedule)
-    while len(_schedules) > _SCHEDULES_KEPT:
-        _schedules.pop(next(iter(_schedules)))
+    schedules[key] = (tuple(chosen), schedule)
+    while len(schedules) > _SCHEDULES_KEPT:
+        schedules.pop(next(iter(schedules)))
     return schedule
 
 
