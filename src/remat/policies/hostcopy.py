@@ -269,7 +269,9 @@ class HostCopies:
             side = model.side_stream(tensor.device, to_host=True)
             # The side stream must see the producer's writes before it reads.
             model.wait_stream(side, model.current_stream(tensor.device))
-            dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
+            # from a detached alias: a held source viewing the tensor itself would hold its grad_fn, and through
+            # autograd's graph the handle holding it (a cycle no collection frees, where backward never comes)
+            dst, src = layout.copy_out(tensor.detach(), block[: layout.nbytes].view(layout.dtype))
             event = model.copy(dst, src, side, True)
             model.record_stream(tensor, side)
             # Only where the tensor comes back laid out as it left: a fetch must not see another layout
@@ -507,6 +509,8 @@ def _span_key(tensor: torch.Tensor, layout: _Layout) -> tuple:
 
 def _check_unchanged(handle: Stashed) -> None:
     source = handle.source() if handle.source is not None else None
+    if source is None and handle.source is not None:
+        source = handle.in_flight  # the tensor is gone, its bytes held: an alias sharing its version counter
     if source is not None and source._version != handle.version:
         raise RuntimeError(
             "remat: a tensor saved for backward was modified in place after it was offloaded to host memory "
