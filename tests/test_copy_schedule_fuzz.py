@@ -13,6 +13,7 @@ The models are the plan fuzz's (tests/fuzz_models.py) with their batch raised un
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import random
@@ -321,20 +322,22 @@ def _forward_only(model: Model) -> Callable[[nn.Module, int], None]:
 
 
 def _raising_in(model: Model, block: str) -> Callable[[nn.Module, int], None]:
-    """A training forward that raises inside ``block``'s last Linear (after its earlier ops saved their tensors),
-    at step 1; the caller catches it, as a training loop skipping a bad batch would."""
+    """A training forward that raises inside ``block``'s last layer with weights (after its earlier ops saved their
+    tensors; where it has none, as it starts), at step 1; the caller catches it, as a loop skipping a bad batch
+    would."""
     batches = _batches(model)
 
     def before(module: nn.Module, step: int) -> None:
         if step != 1:
             return
         args, loss_fn = batches[step]
-        leaf = [m for m in module.get_submodule(block).modules() if isinstance(m, nn.Linear)][-1]
+        found = module.get_submodule(block)
+        leaf = [m for m in found.modules() if not list(m.children()) and list(m.parameters())][-1:] or [found]
 
         def fail(m: nn.Module, inputs: tuple) -> None:
             raise RuntimeError("a bad batch")
 
-        handle = leaf.register_forward_pre_hook(fail)
+        handle = leaf[0].register_forward_pre_hook(fail)
         try:
             torch.manual_seed(100 + step)
             loss_fn(module(*args)).backward()
@@ -401,3 +404,39 @@ def test_a_graph_whose_backward_never_runs_is_freed_with_its_output(hooks):
     del out
     gc.collect()
     assert ref() is None
+
+
+def test_a_deep_copy_of_a_planned_model_runs_as_it_and_its_plan_comes_off_apart():
+    """``copy.deepcopy`` of a model under a scheduled plan (an EMA copy, say): the copy's offloaders share the device
+    type's engine, it trains as the model does, and removing the plan from it leaves the model's own installed."""
+    model, prof = _profiled("gpt")
+    plan = _all_offloading(prof, _with_offload(prof))
+
+    def install(module: nn.Module) -> Plan:
+        plan.apply(module)
+        twin = copy.deepcopy(module)
+        results = []
+        for m in (module, twin):
+            loss = _step(m, model, 0)()
+            results.append([loss, *(p.grad for p in m.parameters())])
+            m.zero_grad(set_to_none=True)
+        assert_bitwise(*results)
+        hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+        plan.remove(twin)
+        _no_hooks(twin)
+        assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules()) == hooks > 0
+        return plan
+
+    _train(model, plan, prof, LINKS["slow"], "adamw", install=install)
+
+
+def test_moving_a_blocks_output_frees_none_of_its_own_bytes():
+    """Seed 47's residual blocks end in tanh, which saves its output: the block's output, which the next block's
+    input holds anyway.  The level that moves it as well keeps what the level below it keeps (BatchNorm's statistics,
+    128 B); counted as freed, it predicted a plan with the next block checkpointed 128 B under its step."""
+    model, prof = _profiled(47)
+    options = _with_offload(prof)
+    levels = [o for o in options[1] if o.name == "keep_offload"]
+    assert levels[-1].kept == levels[-2].kept > 0
+    checkpoint = next(o for o in options[2] if o.name == "checkpoint")
+    _train(model, assignment_plan(prof, [options[0][0], levels[-1], checkpoint]), prof, LINKS["instant"], "sgd")

@@ -227,6 +227,16 @@ class HostCopies:
         self._back: dict[torch.device, _Window] = {}  # brought back, behind the compute stream's arrival at a fetch
         self._brought_back: dict[torch.device, int] = {}  # bytes of copies back started since the last fetch
 
+    def __deepcopy__(self, memo: dict) -> HostCopies:
+        """The engine itself: a copied model's offloaders (``copy.deepcopy(model)``, an EMA copy) share their device
+        type's engine, its streams and pools, as every offloader does.
+
+        Example:
+            >>> copy.deepcopy(engine_for("cuda")) is engine_for("cuda")
+            True
+        """
+        return self
+
     def pool(self, pinned: bool = True) -> HostPool:
         """The pool of pinned (or pageable) host blocks."""
         return self._pools[pinned and self.model.can_pin]
