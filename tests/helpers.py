@@ -51,6 +51,21 @@ class MLPStack(nn.Module):
         return x
 
 
+def gpt_case(cfg, batch: int, device="cpu"):
+    """remat's GPT of ``cfg`` seeded with 0, a synthetic batch of ``batch`` sequences, and the token cross-entropy of
+    its logits on that batch: (model, tokens, targets, loss_fn)."""
+    from remat.models import GPT, synthetic_batch
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    tokens, targets = synthetic_batch(cfg, batch, device=device)
+
+    def loss_fn(logits):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    return model, tokens, targets, loss_fn
+
+
 def grads(loss_fn, params, seed=0):
     """Loss and gradients of loss_fn() w.r.t. params, with a fixed RNG seed."""
     torch.manual_seed(seed)

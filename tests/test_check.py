@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import remat_cli
+from helpers import gpt_case, remat_cli
 from test_cli import USER_MODULE
 
 import remat
-from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.models import GPT, GPTConfig
 from remat.planning.check import PlanCheck, StepCheck
 from remat.planning.measure.overheads import Overheads
 
@@ -20,12 +19,7 @@ CFG = GPTConfig(n_layers=3, d_model=32, n_heads=2, seq_len=32, vocab_size=64, dr
 
 @pytest.fixture(scope="module")
 def case():
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    tokens, targets = synthetic_batch(CFG, 4)
-
-    def loss_fn(logits):
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    model, tokens, targets, loss_fn = gpt_case(CFG, 4)
 
     prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=1, ops=False)
     # Op times from a roofline and no machinery cost: the plans below depend on bytes and FLOPs only.

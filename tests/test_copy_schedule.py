@@ -6,18 +6,19 @@ round trip, nothing left installed after ``remove``.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fake_device import FakeDevice
-from helpers import assert_bitwise
+from helpers import assert_bitwise, gpt_case
 
 import remat
-from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.models import GPTConfig, synthetic_batch
 from remat.planning.choices.keptoffload import keep_offload_options
-from remat.planning.choices.options import BlockOption, copy_schedule
+from remat.planning.choices.options import BlockOption, _checkpoint_offload, copy_schedule
 from remat.planning.measure.copies import MODELLED_LINK, Link
 from remat.planning.measure.copyline import Copy, simulate
 from remat.planning.solve.plan import Plan
@@ -98,17 +99,27 @@ def test_the_timeline_bounds_each_block_start_by_its_drain_and_counts_what_is_ba
 
 
 @pytest.fixture(scope="module")
-def planned():
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    tokens, targets = synthetic_batch(CFG, 8)
+def profiled():
+    model, tokens, _, loss_fn = gpt_case(CFG, 8)
+    return model, remat.profile(model, tokens, loss_fn=loss_fn, repeats=1)
 
-    def loss_fn(logits):
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=1)
-    found = keep_offload_options(prof, MODELLED_LINK)
-    chosen = [found[p][1] if p in found else BlockOption("keep", row.own_bytes) for p, row in enumerate(prof.rows)]
+def _chosen(prof, kind: str) -> list[BlockOption]:
+    """Kept blocks moving their two largest tensors, checkpointed blocks moving their inputs, or both alternating."""
+    levels = keep_offload_options(prof, MODELLED_LINK)
+    rows = prof.rows
+    inputs = [_checkpoint_offload(prof, row, after)[0] for row, after in zip(rows, rows[1:])]
+    chosen = [BlockOption("keep", row.own_bytes) for row in rows]
+    for p in range(len(rows) - 1):
+        moving = {"keep_offload": levels[p][1], "checkpoint_offload": inputs[p]}
+        chosen[p] = moving[kind] if kind in moving else list(moving.values())[p % 2]
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def planned(profiled):
+    model, prof = profiled
+    chosen = _chosen(prof, "keep_offload")
     return model, prof, chosen, plan_of(prof, list(enumerate(chosen)), prof.peak_bytes)
 
 
@@ -117,25 +128,28 @@ def test_a_scheduled_plan_records_its_schedule_and_its_peak_counts_it(planned):
     schedule = copy_schedule(prof, chosen)
     names = [row.name for row in prof.rows]
     assert plan.copies == {"device": prof.device, "ahead": schedule.ahead, "last": names[-1],
-                           "drains": dict(zip(names[1:], schedule.drains[1:], strict=True))}
+                           "drains": dict(zip(names[1:], schedule.drains[1:], strict=True)),
+                           "ends": dict(zip(names[:-1], schedule.line.before[1:], strict=True))}
     assert schedule.line.held == 0  # every copy out complete when the last block's forward ends
     assert plan.predicted_peak == predict(prof, chosen)[0] < prof.peak_bytes
 
 
-def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicted_peak(planned, tmp_path):
-    model, prof, _, plan = planned
+@pytest.mark.parametrize("kind", ["keep_offload", "checkpoint_offload", "both"])
+def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicted_peak(profiled, kind, tmp_path):
+    model, prof = profiled
+    plan = plan_of(prof, list(enumerate(_chosen(prof, kind))), prof.peak_bytes)
     plan.save(str(tmp_path / "plan.json"))
     loaded = Plan.load(str(tmp_path / "plan.json"))
-    assert loaded.copies == plan.copies
-    plain = GPT(CFG)
-    plain.load_state_dict(model.state_dict())
+    assert loaded.copies == plan.copies and (loaded.copies["ahead"] is None) == (kind == "checkpoint_offload")
+    model = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
     fake = FakeDevice(d2h_bytes_per_s=2.0**28, h2d_bytes_per_s=2.0**28)  # far slower than the model's compute
     fixed = prof.param_bytes + prof.buffer_bytes
     with use_device_model("cpu", fake):
         loaded.apply(model)
-        loaded.apply(model)  # idempotent: one drain hook per block
-        drains = [m._remat_schedule for m in model.blocks if hasattr(m, "_remat_schedule")]
-        assert len(drains) == CFG.n_layers - 1
+        loaded.apply(model)  # idempotent: one set of hooks per block
+        hooks = sum(len(m._remat_schedule) for m in model.blocks if hasattr(m, "_remat_schedule"))
+        assert hooks == 2 * CFG.n_layers - 1  # a drain where each block but the first starts, one where each ends
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
         for step in range(3):
             tokens, targets = synthetic_batch(CFG, 8, torch.Generator().manual_seed(step))

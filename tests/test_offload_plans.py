@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 from fake_device import FakeDevice
-from helpers import assert_bitwise
+from helpers import assert_bitwise, gpt_case
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
@@ -294,16 +294,10 @@ def test_the_h200_simulation_with_op_graphs_is_calibrated_and_weighs_kept_offloa
 
 
 def test_a_plans_measured_peak_falls_with_each_level_and_stays_within_its_prediction():
-    import torch.nn.functional as F
 
     from remat.planning.solve.solver import plan_of
 
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    tokens, targets = synthetic_batch(CFG, 8)
-
-    def loss_fn(logits):
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    model, tokens, _, loss_fn = gpt_case(CFG, 8)
 
     def step():
         loss_fn(model(tokens)).backward()

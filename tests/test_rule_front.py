@@ -18,7 +18,8 @@ import remat
 from remat.planning.choices.baselines import rules, spread
 from remat.planning.choices.chain import chain_options
 from remat.planning.choices.options import block_options
-from remat.planning.measure.copies import MODELLED_LINK, Link, copy_waits, link_for, prefetch_wait
+from remat.planning.measure.copies import MODELLED_LINK, Link, link_for, prefetch_wait
+from remat.planning.measure.copyline import Copy, simulate
 from remat.planning.measure.profile import ModuleProfile
 from remat.planning.measure.timeline import Segment
 from remat.planning.solve.plan import _WRAPPERS
@@ -112,19 +113,24 @@ def test_the_plan_installs_checkpoint_with_offloaded_inputs():
     assert isinstance(wrapper, remat.CheckpointWrapper) and wrapper.checkpoint_fn.keywords["offload_inputs"] is True
 
 
-def test_copies_back_start_at_the_next_offloading_blocks_backward_and_the_last_stays():
+def test_offloaded_inputs_are_out_before_the_loss_and_start_back_when_backward_fetches_the_next():
     link = Link(1e9, 1e9)  # a MB per millisecond
-    # 4 blocks of 2 ms forward (4 ms backward); blocks 0-2 offload 6 MB (6 ms each way).
-    waits = copy_waits([2e-3] * 4, [0.0] * 4, [6_000_000] * 3 + [0], link)
-    # Block 2 offloaded last: still on the device.  Block 1's copy back starts at block 2's backward and has its
-    # 4 ms to run behind: 2 ms late.  Block 0's starts when block 1's backward does, after that wait: 2 ms late.
-    assert waits == pytest.approx([2e-3, 2e-3, 0.0, 0.0])
-    # A recomputation in the next block's backward hides more.
-    assert copy_waits([2e-3] * 4, [2e-3] * 4, [6_000_000] * 3 + [0], link) == pytest.approx([0.0, 0.0, 0.0, 0.0])
-    # A copy back cannot start before its copy out has completed.
-    slow_out = copy_waits([1e-3, 1e-3], [0.0, 0.0], [30_000_000, 1], Link(1e9, 1e12))
-    # (30 ms out from the start; 0.03 ms back; block 0's backward starts after 2 ms of forward and 2 of block 1's)
-    assert slow_out[0] == pytest.approx(30e-3 + 30e-6 - 4e-3)
+    # 4 blocks of 2 ms forward (4 ms backward); blocks 0-2 offload 6 MB inputs (6 ms each way), under a schedule that
+    # lets the copies run on through forward and waits for every one of them when the last block's forward ends
+    inputs = [[Copy(0.0, 0.0, 6_000_000)]] * 3 + [[]]
+    drains = [None, *[1 << 62] * 3]
+    line = simulate([2e-3] * 4, [0.0] * 4, inputs, link, 1 << 62, drains=drains, turn=0)
+    # out back to back from 0, 6 and 12 ms: the last completes at 18 ms, 10 ms after forward ends
+    assert line.forward_wait == pytest.approx(10e-3) and line.held == 0
+    assert line.after == (0, 6_000_000, 12_000_000, 12_000_000)  # in flight as each block starts
+    # block 2's fetch finds nothing back (6 ms) and starts blocks 1's and 0's (2 ms late each behind 4 ms backwards)
+    assert line.wait - line.forward_wait == pytest.approx(10e-3)
+    assert line.back == (0, 6_000_000, 12_000_000, 0)  # brought back ahead, on the device until their backward
+    # a recomputation in each block's backward hides the later copies back
+    rerun = simulate([2e-3] * 4, [2e-3] * 4, inputs, link, 1 << 62, drains=drains, turn=0)
+    assert rerun.wait - rerun.forward_wait == pytest.approx(6e-3)
+    # without the schedule the engine holds the copies still in its window into backward: no round trip
+    assert simulate([2e-3] * 4, [0.0] * 4, inputs, link, 1 << 62).held == 18_000_000
     assert prefetch_wait(6_000_000, 4e-3, link) == pytest.approx(2e-3)
     assert link_for("cpu") == MODELLED_LINK and link_for("meta") == MODELLED_LINK
 

@@ -420,7 +420,8 @@ class HostCopies:
 
     def drain(self, nbytes: int = 0) -> None:
         """Let go of the copies out that have completed, and wait (the host, on events) for the oldest others
-        until at most ``nbytes`` are in flight: what a plan's copies may hold on the device when a block starts.
+        until at most ``nbytes`` are in flight: what a plan's copies may hold on the device where a block starts or
+        ends.
 
         Example:
             >>> engine_for("cuda").drain(0)  # before the loss: every copy out complete, nothing held

@@ -1,10 +1,10 @@
 """Hooks that run a plan's copy schedule on its blocks: bound the copies in flight where a block starts or ends.
 
-A plan whose kept blocks move saved tensors (:mod:`remat.planning.solve.copyplan`) lets their copies out run with no
-window limit and bounds them at block boundaries instead, to the bytes its peak counted there.  :func:`schedule_hooks`
-installs that on one block: before its forward, the host waits until the copies in flight are within ``before`` bytes
-(:meth:`~remat.policies.hostcopy.HostCopies.drain`); after it, within ``after`` bytes.  Neither acts in a
-recomputation (it runs in backward), without grad (nothing is saved), or while dynamo traces.
+A plan whose blocks move bytes to host memory (:mod:`remat.planning.solve.copyplan`) bounds their copies at block
+boundaries (its kept blocks' copies out run with no window limit), to the bytes its peak counted there.
+:func:`schedule_hooks` installs that on one block: before its forward, the host waits until the copies in flight are
+within ``before`` bytes (:meth:`~remat.policies.hostcopy.HostCopies.drain`); after it, within ``after`` bytes.
+Neither acts in a recomputation (it runs in backward), without grad (nothing is saved), or while dynamo traces.
 
 Example:
     >>> handles = schedule_hooks(model.layers[3], "cuda", before=64 << 20)

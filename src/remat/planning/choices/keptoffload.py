@@ -19,8 +19,7 @@ window limit in forward, the copies in flight bounded at each block's start inst
 backward; its peak counts the bytes the copies hold at each stretch of the step
 (:mod:`remat.planning.solve.copyplan`), so the option counts nothing in flight of its own (``in_flight`` 0).
 
-The chain's last block has none: backward starts there, with nothing to hide its copies back behind (and the
-tensors it saves last stay on the device anyway, in the engine's window).
+The chain's last block has none: backward starts there, with nothing to hide its copies back behind.
 
 Example:
     >>> extra = keep_offload_options(prof, link_for(prof.device))

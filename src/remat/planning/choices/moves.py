@@ -1,4 +1,4 @@
-"""A plan whose kept blocks move tensors, improved a block or two at a time on its own timeline.
+"""A plan whose blocks move bytes to host memory, improved a block or two at a time on its own timeline.
 
 The chain's dynamic program adds prices block by block; a plan whose copies run under a schedule is priced and sized on
 its timeline (:func:`~remat.planning.choices.options.copy_schedule`), where a copy hides behind the forwards after it
@@ -35,7 +35,7 @@ def cheaper_choices(prof: StepProfile, placed: list[tuple[int, BlockOption]] | N
     Example:
         >>> cheaper_choices(prof, placed, chain_options(prof), lambda chosen: predict(prof, chosen)[0], budget)
     """
-    if placed is None or not any(o.copies for _, o in placed):
+    if placed is None or not any(o.copies or o.moved for _, o in placed):
         return placed
     chosen = [o for _, o in placed]
     starts = [p for p, _ in placed]

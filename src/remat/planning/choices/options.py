@@ -33,7 +33,7 @@ from ...api.checkpoint import OFFLOAD_INPUTS_MIN_BYTES
 from ...policies.hostcopy import engine_for
 from ...policies.offload import PREFETCH_DEPTH
 from ..basics.blockpolicy import BlockPolicy
-from ..measure.copies import copy_waits, link_for, prefetch_wait
+from ..measure.copies import link_for, prefetch_wait
 from ..measure.copyline import Copy, Timeline, simulate
 from ..measure.opgraph import BlockGraph, OpProfile
 from ..measure.prices import forward_spared
@@ -172,40 +172,28 @@ def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProf
 
 
 def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
-    """Extra seconds of ``chosen`` (one option per run of blocks, in order): the options' prices, with the copies
-    back of the inputs ``checkpoint_offload`` moves priced on the step's timeline (:func:`copy_waits`: each
-    behind the backward, recomputation included, that the plan runs before its block's) instead of each alone.
-    Where a kept block moves saved tensors (``keep_offload``), every copy of the plan is priced tensor by tensor
-    as the copy engine runs them under the plan's schedule (:func:`copy_schedule`).
+    """Extra seconds of ``chosen`` (one option per run of blocks, in order): the options' prices, and where blocks move
+    bytes to host memory (``checkpoint_offload``'s inputs, ``keep_offload``'s largest saved tensors), what the compute
+    stream waits for every copy of the plan, tensor by tensor, as the copy engine runs them under the plan's schedule
+    (:func:`copy_schedule`) instead of each option's copy price alone.
 
     Example:
         >>> step_extra_time(prof, [keep, checkpoint_offload, checkpoint])
     """
     total = sum(o.extra_time for o in chosen)
     schedule = copy_schedule(prof, chosen)
-    if schedule is not None:
-        alone = sum(o.copy_time for o in chosen if o.copies or o.moved)
-        return total - alone + schedule.line.wait
-    if not any(o.moved for o in chosen):
+    if schedule is None:
         return total
-    n = len(prof.rows)
-    recompute, moved = [0.0] * n, [0] * n
-    p = 0
-    for o in chosen:
-        # a region reruns when backward reaches its last block; its copies' price is what the timeline says
-        recompute[p + o.span - 1] = o.extra_time - o.copy_time
-        moved[p] = o.moved
-        total -= o.copy_time if o.moved else 0.0
-        p += o.span
-    forward = [row.forward_time for row in prof.rows]
-    head = max(0.0, prof.step_time - 3 * sum(forward))
-    return total + sum(copy_waits(forward, recompute, moved, link_for(prof.device), head))
+    alone = sum(o.copy_time for o in chosen if o.copies or o.moved)
+    return total - alone + schedule.line.wait
 
 
 @dataclass(frozen=True)
 class CopySchedule:
-    """How a plan whose kept blocks move saved tensors (``keep_offload``) runs its copies, and their timeline.
+    """How a plan whose blocks move bytes to host memory runs its copies, and their timeline.
 
+    Its ``checkpoint_offload`` inputs go out under the engine's window and come back by its prefetch depth; its
+    ``keep_offload`` tensors are scheduled (no window limit, brought back by bytes).
     ``drains[p]``: the bytes of copies out the engine may hold when block ``p`` starts (None: no bound); the host
     waits for the oldest beyond them (:meth:`~remat.policies.hostcopy.HostCopies.drain`), so what the plan's peak
     counts holds however the link keeps up.  Each is what the copies left in flight there on the timeline; when
@@ -219,7 +207,7 @@ class CopySchedule:
         (None, 0, 92274688, ..., 46137344)
     """
 
-    ahead: int
+    ahead: int | None
     drains: tuple[int | None, ...]
     line: Timeline
 
@@ -230,13 +218,13 @@ _schedules: dict[tuple[int, ...], tuple[StepProfile, tuple[BlockOption, ...], Co
 
 
 def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySchedule | None:
-    """The schedule of ``chosen``'s copies (see :class:`CopySchedule`); None if no kept block moves tensors.
+    """The schedule of ``chosen``'s copies (see :class:`CopySchedule`); None if no block moves bytes.
 
     Example:
         >>> schedule = copy_schedule(prof, chosen)
         >>> schedule.line.wait  # seconds the compute stream waits for copies
     """
-    if not any(o.copies for o in chosen):
+    if not any(o.copies or o.moved for o in chosen):
         return None
     key = (id(prof), *map(id, chosen))
     if key in _schedules:  # a plan is priced and sized more than once; the entry holds what its key names
@@ -250,7 +238,7 @@ def copy_schedule(prof: StepProfile, chosen: Sequence[BlockOption]) -> CopySched
         p += o.span
     forward = [row.forward_time for row in prof.rows]
     head = max(0.0, prof.step_time - 3 * sum(forward))
-    ahead = 2 * max(sum(c.nbytes for c in block if c.scheduled) for block in copies)
+    ahead = 2 * max(sum(c.nbytes for c in block if c.scheduled) for block in copies) or None
     # the drains bound what the copies leave in flight at each block's start: probing with no bound gives it
     probe = (None, *[_UNBOUNDED] * (n - 1))
     line = simulate(forward, recompute, copies, link_for(prof.device), _window(prof.device), head, ahead=ahead,

@@ -1,29 +1,22 @@
-"""A step's copies to host memory on a timeline: the compute stream and the link's two directions.
+"""The host link: its bandwidth each way, measured once per process, and a single copy back's wait.
 
-A copy costs the step only the time the compute stream waits for it.  The copy engine
-(:mod:`remat.policies.hostcopy`) copies a tensor out on its own stream as soon as forward saves it, and in
-backward starts the copy back of the next tensors backward needs when it fetches one: a block's offloaded
-tensors start back when the backward reaches the block that offloaded just after it, and its own backward waits
-for them only if they are still on their way.  The last tensors forward offloads are still held on the device
-when backward starts (the engine lets go of a tensor at a later save that finds its copy complete), so they
-make no round trip.  :func:`copy_waits` walks the step in that order: forward's blocks (each starts its copies
-out when it starts), the stretch after the last block (head and loss), then the backward's blocks in reverse,
-each a recomputation (its price) and its backward (twice its forward: the two matmuls per forward one).
+A copy costs the step only the time the compute stream waits for it.  The step's copies are priced together, tensor by
+tensor, on the copy engine's timeline (:mod:`remat.planning.measure.copyline`); one option alone is priced here by
+:func:`prefetch_wait`, the part of a copy back that outlasts the compute it starts before.
 
 The link's bandwidth, each way, is measured once per process on an accelerator and kept in the timings file
 (:mod:`remat.planning.measure.timecache`), like the ops' times; where there is nothing to measure (the CPU, the meta
 device) :data:`MODELLED_LINK` stands in: the pinned copies measured on an NVIDIA H200 (PCIe 5).
 
 Example:
-    >>> copy_waits([2e-3] * 4, [2e-3] * 4, [32 << 20] * 3 + [0], MODELLED_LINK)
-    [0.0, 0.0, 0.0, 0.0]
+    >>> prefetch_wait(32 << 20, 5e-3, link_for("cpu"))
+    0.0
 """
 
 from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,7 +24,7 @@ import torch
 from .timecache import timings_cache
 from .timing import Clock
 
-__all__ = ["MODELLED_LINK", "Link", "copy_waits", "link_for", "measure_link", "prefetch_wait"]
+__all__ = ["MODELLED_LINK", "Link", "link_for", "measure_link", "prefetch_wait"]
 
 
 @dataclass(frozen=True)
@@ -67,43 +60,6 @@ def prefetch_wait(nbytes: int, window: float, link: Link) -> float:
         0.0
     """
     return max(0.0, link.seconds(nbytes, to_host=False) - window)
-
-
-def copy_waits(forward: Sequence[float], recompute: Sequence[float], moved: Sequence[int], link: Link,
-               head: float = 0.0) -> list[float]:
-    """Seconds the compute stream waits in each block's backward for its offloaded bytes to come back.
-
-    ``forward``: each block's forward seconds on the device; ``recompute``: what its recomputation adds in
-    backward (0 for a block that keeps its activations); ``moved``: bytes it offloads (0: none); ``head``:
-    seconds between the last block's forward and its backward.  Copies out run behind forward, one after
-    another; a block's copies back start when backward reaches the offloading block after it (and its copies
-    out are done), one after another; the last offloading block's tensors stay on the device.
-
-    Example:
-        >>> copy_waits([2e-3] * 3, [2e-3] * 3, [1 << 30, 1 << 30, 0], MODELLED_LINK)  # 20 ms each way
-        [0.0210..., 0.0, 0.0]
-    """
-    n = len(forward)
-    now = out_free = 0.0
-    out_done = [0.0] * n
-    for i in range(n):
-        if moved[i]:
-            out_free = out_done[i] = max(out_free, now) + link.seconds(moved[i], to_host=True)
-        now += forward[i]
-    now += head
-    offloading = [i for i in range(n) if moved[i]]
-    ready, waits, back_free = [0.0] * n, [0.0] * n, 0.0
-    for i in reversed(range(n)):
-        if moved[i]:
-            k = offloading.index(i)
-            if k + 1 < len(offloading):  # not the last to offload, whose tensors stay on the device
-                waits[i] = max(0.0, ready[i] - now)
-                now += waits[i]
-            if k:  # its fetch starts the copies back of the block that offloaded before it
-                j = offloading[k - 1]
-                back_free = ready[j] = max(back_free, now, out_done[j]) + link.seconds(moved[j], to_host=False)
-        now += recompute[i] + 2 * forward[i]
-    return waits
 
 
 def link_for(device: str) -> Link:

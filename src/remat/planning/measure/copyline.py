@@ -1,9 +1,9 @@
 """A step's copies to host memory tensor by tensor, as the copy engine schedules them: what the compute waits for.
 
-:func:`~remat.planning.measure.copies.copy_waits` prices a block's offloaded inputs a block at a time.  A kept block
-that offloads its largest saved tensors (``keep_offload``, :mod:`remat.planning.choices.keptoffload`) moves several
-tensors a block, more bytes than a forward may hide, and the engine (:mod:`remat.policies.hostcopy`) then decides how
-much the compute waits.  :func:`simulate` follows its rules on one outbound and one inbound link:
+A plan's blocks move bytes to host memory: a checkpointed block its inputs (``checkpoint_offload``), a kept block its
+largest saved tensors (``keep_offload``, :mod:`remat.planning.choices.keptoffload`), several a block, more bytes than
+its own forward may hide.  The copy engine (:mod:`remat.policies.hostcopy`) decides how much the compute waits for
+them; :func:`simulate` follows its rules on one outbound and one inbound link:
 
 * **Forward.**  A tensor's copy out starts when the compute has made it (at its share of its block's forward)
   and the outbound link is free.  Each copy joins the engine's window; a later save lets go of the copies it
@@ -11,7 +11,7 @@ much the compute waits.  :func:`simulate` follows its rules on one outbound and 
   oldest copies until it does not: the compute stalls until that copy completes (the host is taken to issue
   work as the device runs it, the case where it hides nothing).
 * **The turn.**  Copies still in the window when forward ends are held on the device and served to backward
-  without a round trip.
+  without a round trip (unless a plan's schedule drains them first, below).
 * **Backward.**  Blocks in reverse, each its recomputation then its backward (twice its forward); a tensor is
   needed at its share of that span.  Fetching a tensor starts its own copy back if none is on its way, and
   those of the ``depth`` tensors saved just before it (those already back count among them); the compute waits

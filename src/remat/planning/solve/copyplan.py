@@ -1,13 +1,14 @@
-"""Plans whose kept blocks move saved tensors to host memory: their peak stretch by stretch, and the plans that offload
-first.
+"""Plans whose blocks move bytes to host memory: their peak stretch by stretch, and the plans that offload first.
 
-A ``keep_offload`` plan runs its copies under a schedule (:func:`~remat.planning.choices.options.copy_schedule`): its
-copies go out with no window limit, are bounded at each block's start (the host waits for the oldest beyond the
-bound), and come back a block or two ahead.  What the copies hold on the device then differs from stretch to stretch,
+A plan that moves bytes (``checkpoint_offload``'s inputs, ``keep_offload``'s largest tensors) runs its copies under
+a schedule (:func:`~remat.planning.choices.options.copy_schedule`): they are bounded at each block's start (the host
+waits for the oldest beyond the bound), kept blocks' copies go out with no window limit and come back a block or two
+ahead.  What the copies hold on the device then differs from stretch to stretch,
 so :func:`scheduled_peak` adds it where it is held rather than once for the step:
 
-* a forward stretch before block ``p``: the copies in the window when block ``p`` starts (``before[p]``); block ``p``'s
-  own forward: those its drain leaves (``after[p]``); block ``p``'s own tensors are its forward's anyway;
+* a forward stretch before block ``p``: the copies in the window when block ``p`` starts (``before[p]``, which the
+  drain where block ``p - 1`` ends holds them to); block ``p``'s own forward: those its drain leaves (``after[p]``);
+  block ``p``'s own tensors are its forward's anyway;
 * the stretches after the last block (the head and the loss): nothing, every copy is complete when the last
   block's forward ends;
 * block ``p``'s backward, and the backward stretches after it: the earlier blocks' tensors already back (``back[p]``),

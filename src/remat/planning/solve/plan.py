@@ -61,11 +61,12 @@ class Plan:
     ``segments`` lists the runs of blocks checkpointed as one region each (their blocks' decision is
     ``"segment"``; ``blocks`` holds a run's summary under its first block).  ``head_chunks`` > 0: the output
     layer and loss are computed over that many token chunks (:func:`remat.chunk_lm_head`, a Hugging Face causal
-    LM; :mod:`remat.planning.solve.head`).  ``copies``: where kept blocks move saved tensors, their copies' schedule
+    LM; :mod:`remat.planning.solve.head`).  ``copies``: where blocks move bytes to host memory, their copies' schedule
     (:class:`~remat.planning.choices.options.CopySchedule`: ``{"device", "ahead", "drains": {module: bytes},
-    "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each listed module wait, when its forward
-    starts, until the copies in flight are within its bytes, and the ``last`` block wait for every copy when its
-    forward ends (:mod:`remat.policies.schedule`).
+    "ends": {module: bytes}, "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each module of
+    ``drains`` wait, when its forward starts, until the copies in flight are within its bytes, each of ``ends`` when
+    its forward ends (what the peak counts until the next block starts), and the ``last`` block wait for every copy
+    when its forward ends (:mod:`remat.policies.schedule`).
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -94,7 +95,7 @@ class Plan:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
         if name in self.policies:
             policy = BlockPolicy.from_dict(self.policies[name])
-            if self.copies and policy.offloaded_bytes:  # bounded by the drains, brought back ahead by bytes
+            if self.copies.get("ahead") and policy.mode == "keep" and policy.offloaded_bytes:  # back ahead by bytes
                 ahead = self.copies["ahead"]
                 return (lambda m: policy.wrap(m, prefetch_bytes=ahead, in_flight=math.inf),
                         (decision, policy.to_dict(), ahead))
@@ -155,11 +156,12 @@ class Plan:
             else:
                 remove_runs(container)
         if self.copies:
-            drains, last = self.copies["drains"], self.copies["last"]
-            for name in {*drains, last}:
+            drains = self.copies["drains"]
+            ends = {**self.copies.get("ends", {}), self.copies["last"]: 0}
+            for name in {*drains, *ends}:
                 module = _locate(model, name)[2]
                 module._remat_schedule = schedule_hooks(module, self.copies["device"], before=drains.get(name),
-                                                        after=0 if name == last else None)
+                                                        after=ends.get(name))
         return model
 
     def _containers(self, model: nn.Module) -> dict[str, nn.Module]:
@@ -276,8 +278,9 @@ class Plan:
         if self.head_chunks:
             summary += f"; output layer and loss in {self.head_chunks} chunks"
         if self.copies:
-            summary += (f"; copies bounded at {len(self.copies['drains'])} block starts, all out before the loss, "
-                        f"back up to {format_bytes(self.copies['ahead'])} ahead")
+            ahead = self.copies["ahead"]
+            summary += (f"; copies bounded where {len(self.copies['drains'])} blocks start and where blocks end, "
+                        "all out before the loss" + (f", back up to {format_bytes(ahead)} ahead" if ahead else ""))
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(

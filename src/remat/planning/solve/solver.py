@@ -21,9 +21,11 @@ option             kept own bytes                               extra time
                    (:mod:`remat.planning.choices.chain`)                after each inner block's last saved tensor
 =================  ===========================================  ===========================================
 
-``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory, two blocks'
-inputs in flight counted once for the step; its time is checkpoint's plus the copy back's beyond the next
-block's backward, and a plan's copies are priced together on the step's timeline (:mod:`remat.planning.measure.copies`).
+``checkpoint_offload`` (accelerators only) keeps nothing of its own: its inputs go to host memory; its time is
+checkpoint's plus the copy back's beyond the next block's backward.  ``keep_offload`` keeps all but its largest saved
+tensors, which go to host memory.  A plan with either runs its copies under a schedule, is priced on the copy engine's
+timeline (:mod:`remat.planning.measure.copyline`) and sized stretch by stretch (:mod:`remat.planning.solve.copyplan`);
+for the dynamic program, ``checkpoint_offload`` counts two blocks' inputs in flight once for the step.
 
 Every segment of the measured timeline (a block's forward or backward, the stretches between) had peak ``P``; with a
 plan it becomes ``P`` minus the own bytes freed by the blocks before it, plus or minus each *shared* storage whose
@@ -112,7 +114,7 @@ def predict(prof: StepProfile, chosen: Sequence[BlockOption]) -> tuple[int, floa
 
 def _peak(prof: StepProfile, chosen: Sequence[BlockOption], accounting: Accounting | None = None) -> int:
     """The chain's peak, and the bytes the offload hooks' copies may hold on the device at once: one window for the
-    whole step, or, where kept blocks move tensors under a schedule, what it holds at each stretch."""
+    whole step, or, where blocks move bytes under a schedule, what it holds at each stretch."""
     schedule = copy_schedule(prof, chosen)
     if schedule is not None:
         return scheduled_peak(prof, chosen, accounting or Accounting(prof), schedule)
@@ -296,7 +298,10 @@ def plan_from_profile(
     # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
     # the search weigh every level on the timeline)
     hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
-    placed = _no_worse_than_rules(prof, budget_bytes, options, cheapest(prof, budget_bytes, hidden))
+    placed = cheapest(prof, budget_bytes, hidden)
+    if placed is None and sum(map(len, hidden)) < sum(map(len, options)):
+        placed = cheapest(prof, budget_bytes, options)  # the levels left out may be the only ones that fit
+    placed = _no_worse_than_rules(prof, budget_bytes, options, placed)
     if placed is None:
         smallest = _smallest_peak(prof, options)
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
@@ -329,9 +334,13 @@ def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget
         if o.wrap is not None:
             wrappers[names[0]] = o.wrap
     schedule = copy_schedule(prof, chosen)
+    names = [row.name for row in prof.rows]
     copies = {} if schedule is None else {
-        "device": prof.device, "ahead": schedule.ahead, "last": prof.rows[-1].name,
-        "drains": {prof.rows[p].name: nbytes for p, nbytes in enumerate(schedule.drains) if nbytes is not None}}
+        "device": prof.device, "ahead": schedule.ahead, "last": names[-1],
+        "drains": {names[p]: nbytes for p, nbytes in enumerate(schedule.drains) if nbytes is not None},
+        # what the peak counts between a block and the next (a module may run there): the host may have let go
+        # of fewer copies than the timeline did when the next block starts
+        "ends": dict(zip(names[:-1], schedule.line.before[1:], strict=True))}
     result = Plan(
         decisions=decisions,
         predicted_peak=_peak(prof, chosen),
