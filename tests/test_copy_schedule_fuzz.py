@@ -1,8 +1,9 @@
 """Scheduled plans (kept blocks moving saved tensors, their copies bounded at block starts) on random models, pushed
 where they could break: random mixes of ``keep_offload`` levels with keep / checkpoint / segments, the solver's own
-plans at budgets of 50-90%, fake links from instant to far slower than compute, and runs users make: eval forwards
-between steps, a forward whose backward never comes, a block raising mid-step, blocks called twice per forward, plans
-applied twice or reloaded from a file.
+plans at budgets of 50-70-90%, plans made for the modelled link and for one slower than the blocks' compute (drains
+other than 0), fake links from instant to far slower than compute, and what users do: eval forwards between steps, a
+forward whose backward never comes, a block raising mid-step, blocks called twice per forward, plans applied twice or
+over another or reloaded from a file, a deep copy of the planned model.
 
 Every plan must train bitwise as the unplanned model (loss and gradients, three steps, SGD or AdamW between), peak at
 most where it predicts at every step (MemTracker's bytes above parameters), and leave no hook behind after ``remove``.
@@ -255,6 +256,8 @@ def planning_link(request, monkeypatch) -> Callable[[StepProfile, float], Link]:
 
 @pytest.mark.parametrize("key", [*SEEDS, "gpt", "twice"])
 def test_random_mixes_of_offloading_kept_blocks_hold_on_every_link(key, planning_link):
+    """Three random mixes per model (``keep_offload`` levels among keep / checkpoint / selective / segments), each on
+    one fake link: instant with SGD, moderate with AdamW, slow with SGD (where the drains must wait)."""
     model, prof = _profiled(key)
     rng = random.Random(f"mix {key}")
     options = _with_offload(prof, planning_link(prof, 3.0))
@@ -270,16 +273,17 @@ def test_random_mixes_of_offloading_kept_blocks_hold_on_every_link(key, planning
 
 @pytest.mark.parametrize("key", [*SEEDS, "gpt"])
 def test_the_solvers_plans_with_offloading_kept_blocks_hold(key, planning_link):
+    """The solver given the ``keep_offload`` levels besides the chain's options, at 50% (slow link), 70% (moderate,
+    AdamW) and 90% (instant): every plan it makes holds, whether it moves tensors or not."""
     model, prof = _profiled(key)
     options = _with_offload(prof, planning_link(prof, 0.6))  # the solver moves tensors over it
-    planned, scheduled = 0, 0
+    planned = 0
     for fraction, link in ((0.5, "slow"), (0.7, "moderate"), (0.9, "instant")):
         try:
             plan = plan_from_profile(prof, fraction, options=options)
         except InfeasibleBudget:
             continue
         planned += 1
-        scheduled += bool(plan.copies)
         _train(model, plan, prof, LINKS[link], "adamw" if fraction == 0.7 else "sgd")
     assert planned
 
