@@ -227,6 +227,16 @@ class HostCopies:
         self._back: dict[torch.device, _Window] = {}  # brought back, behind the compute stream's arrival at a fetch
         self._brought_back: dict[torch.device, int] = {}  # bytes of copies back started since the last fetch
 
+    def __deepcopy__(self, memo: dict) -> HostCopies:
+        """The engine itself: a copied model's offloaders (``copy.deepcopy(model)``, an EMA copy) share their device
+        type's engine, its streams and pools, as every offloader does.
+
+        Example:
+            >>> copy.deepcopy(engine_for("cuda")) is engine_for("cuda")
+            True
+        """
+        return self
+
     def pool(self, pinned: bool = True) -> HostPool:
         """The pool of pinned (or pageable) host blocks."""
         return self._pools[pinned and self.model.can_pin]
@@ -269,7 +279,9 @@ class HostCopies:
             side = model.side_stream(tensor.device, to_host=True)
             # The side stream must see the producer's writes before it reads.
             model.wait_stream(side, model.current_stream(tensor.device))
-            dst, src = layout.copy_out(tensor, block[: layout.nbytes].view(layout.dtype))
+            # from a detached alias: a held source viewing the tensor itself would hold its grad_fn, and through
+            # autograd's graph the handle holding it (a cycle no collection frees, where backward never comes)
+            dst, src = layout.copy_out(tensor.detach(), block[: layout.nbytes].view(layout.dtype))
             event = model.copy(dst, src, side, True)
             model.record_stream(tensor, side)
             # Only where the tensor comes back laid out as it left: a fetch must not see another layout
@@ -508,6 +520,8 @@ def _span_key(tensor: torch.Tensor, layout: _Layout) -> tuple:
 
 def _check_unchanged(handle: Stashed) -> None:
     source = handle.source() if handle.source is not None else None
+    if source is None and handle.source is not None:
+        source = handle.in_flight  # the tensor is gone, its bytes held: an alias sharing its version counter
     if source is not None and source._version != handle.version:
         raise RuntimeError(
             "remat: a tensor saved for backward was modified in place after it was offloaded to host memory "

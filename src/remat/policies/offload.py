@@ -99,6 +99,17 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed
 
 
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved tensor a pack hook keeps on its device, packed detached: an op's output packed as itself would hold
+    its own grad_fn, a cycle through autograd's graph that no collection frees, so a graph whose backward never runs
+    (a forward alone, one that raised) would stay alive with all it saved.  Out of dispatch modes' sight, as the
+    engine's own work is (a subclass keeps its own dispatch: packed as it is)."""
+    if type(tensor) not in (torch.Tensor, nn.Parameter):
+        return tensor
+    with torch._C._DisableTorchDispatch():
+        return tensor.detach()
+
+
 class save_on_cpu(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - drop-in name
     """Copy every saved accelerator tensor to host memory; copy it back in backward.
 
@@ -115,7 +126,7 @@ class save_on_cpu(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - dro
         def pack(tensor: torch.Tensor) -> Any:
             engine = engine_for(tensor.device.type)
             if engine is None or not engine.moves or _owned_by_a_leaf(tensor):
-                return tensor
+                return _kept(tensor)
             handle = engine.stash(tensor, pinned=pin_memory, check_version=True, hold_in_flight=True)
             return handle if handle is not None else (tensor.device, tensor.to("cpu"))
 
@@ -218,7 +229,7 @@ class offload(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 - context
         if type(handle) is SharedView or (handle is not None and handle.users > 1):
             self.stats.shared_tensors += 1
             self.stats.shared_bytes += tensor.numel() * tensor.element_size()
-        return tensor if handle is None else handle
+        return _kept(tensor) if handle is None else handle
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if type(packed) in _HANDLES:

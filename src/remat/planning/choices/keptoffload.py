@@ -83,6 +83,9 @@ def keep_offload_options(prof: StepProfile, link: Link) -> dict[int, list[BlockO
 def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link) -> BlockOption:
     nodes = graph.nodes
     moved = sum(nodes[i].saved_bytes for i in chosen)
+    # the block's output is not among its own bytes (the next block's input holds it): moving it frees none of them
+    returned = {s.producer for s in graph.storages if s.dies is None}
+    freed = sum(nodes[i].saved_bytes for i in chosen if i not in returned)
     # a tensor is made when its op ends: its share of the block's forward; backward uses it at the mirror point
     total = sum(n.wall_time for n in nodes) or 1.0
     ends, elapsed = {}, 0.0
@@ -95,7 +98,7 @@ def _option(row: ModuleProfile, graph: BlockGraph, chosen: list[int], link: Link
              + max(0.0, link.seconds(moved, to_host=False) - 2 * f))
     policy = BlockPolicy("keep", [OpDecision(nodes[i].op, nodes[i].call, nodes[i].saved_bytes, "offload")
                                   for i in sorted(chosen)])
-    return BlockOption("keep_offload", max(row.held_bytes, row.own_bytes - moved), _host_time(graph, len(chosen))
+    return BlockOption("keep_offload", max(row.held_bytes, row.own_bytes - freed), _host_time(graph, len(chosen))
                        + alone, wrap=policy.wrap, policy=policy, copy_time=alone,
                        copies=copies)
 
