@@ -134,8 +134,21 @@ def test_a_scheduled_plan_records_its_schedule_and_its_peak_counts_it(planned):
     assert plan.predicted_peak == predict(prof, chosen)[0] < prof.peak_bytes
 
 
-@pytest.mark.parametrize("kind", ["keep_offload", "checkpoint_offload", "both"])
-def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicted_peak(profiled, kind, tmp_path):
+_OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+    "fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True),
+}
+
+
+def _halve(module, args, output):
+    return output * 0.5
+
+
+@pytest.mark.parametrize(("kind", "optimizer"), [("keep_offload", "fused"), ("checkpoint_offload", "foreach"),
+                                                  ("both", "sgd")])
+def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicted_peak(profiled, kind, optimizer,
+                                                                                         tmp_path):
     model, prof = profiled
     plan = plan_of(prof, list(enumerate(_chosen(prof, kind))), prof.peak_bytes)
     plan.save(str(tmp_path / "plan.json"))
@@ -150,17 +163,21 @@ def test_a_scheduled_plan_trains_bitwise_on_a_slow_fake_link_within_its_predicte
         loaded.apply(model)  # idempotent: one set of hooks per block
         hooks = sum(len(m._remat_schedule) for m in model.blocks if hasattr(m, "_remat_schedule"))
         assert hooks == 2 * CFG.n_layers - 1  # a drain where each block but the first starts, one where each ends
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, model)]
+        opts = [_OPTIMIZERS[optimizer](m.parameters()) for m in (plain, model)]
         for step in range(3):
             tokens, targets = synthetic_batch(CFG, 8, torch.Generator().manual_seed(step))
             results = []
             for m, opt in zip((plain, model), opts, strict=True):
+                if step == 1:  # a hook of the user's on a scheduled block, for one step only
+                    halving = m.blocks[1].register_forward_hook(_halve)
                 def run(m=m, tokens=tokens, targets=targets):
                     F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten()).backward()
                 measured = remat.measure_step(run, m).peak_above_params
                 results.append([p.grad.clone() for p in m.parameters()])
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                if step == 1:
+                    halving.remove()
             assert_bitwise(*results)
             assert measured <= plan.predicted_peak - fixed  # the drains hold the copies to what the plan counts
         assert fake.calls("host waits")  # the slow link made the drains wait
