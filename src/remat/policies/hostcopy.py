@@ -185,6 +185,15 @@ class _Window:
             held.in_flight = None
         return event
 
+    def trim(self, nbytes: int, done: Any) -> Any:
+        """Drop the entries whose events have completed, then the oldest others until at most ``nbytes`` remain; the
+        event the host must wait for (or None)."""
+        self.let_go(done)
+        late = None
+        while self.entries and self.nbytes > nbytes:
+            late = self._pop()
+        return late
+
     def add(self, event: Any, nbytes: int, limit: float, done: Any, handle: Stashed | None = None) -> Any:
         """Count ``nbytes`` behind ``event``; the event the host must wait for to be within ``limit`` (or None).
 
@@ -338,9 +347,8 @@ class HostCopies:
         _check_unchanged(handle)
         with self._lock:
             self._unfetched.pop(handle.order, None)
-            ahead = prefetch_bytes is not None or prefetch or self._farthest
-            upcoming = (self._preceding(handle.order, prefetch, prefetch_bytes) if ahead and self.model.asynchronous
-                        else [])
+            prefetching = self.model.asynchronous and (prefetch_bytes is not None or prefetch or self._farthest)
+            upcoming = self._preceding(handle.order, prefetch, prefetch_bytes) if prefetching else []
             held = handle.in_flight
         if held is None:
             if handle.on_device is not None and handle.on_device._version != handle.back_version:
@@ -428,10 +436,7 @@ class HostCopies:
         """
         for window in list(self._out.values()):
             with self._lock:
-                window.let_go(self.model.done)
-                late = None
-                while window.entries and window.nbytes > nbytes:
-                    late = window._pop()
+                late = window.trim(nbytes, self.model.done)
             if late is not None:
                 self.model.host_wait(late)
 
