@@ -17,7 +17,8 @@ so :func:`scheduled_peak` adds it where it is held rather than once for the step
 The chain's dynamic program adds prices block by block and cannot see a timeline, where a copy is hidden by the
 forwards that follow it.  :func:`offload_first` adds the plans that use that: the first ``m`` blocks move their ``k``
 largest saved tensors (the link has the rest of forward to carry them, backward the longest to bring them back), and
-the fewest blocks after them that are checkpointed, inputs offloaded where they may be, for the plan to fit.
+the fewest blocks after them that are checkpointed, inputs offloaded where they may be, for the plan to fit; the blocks
+after those kept, or moving what their own forward hides.
 
 Example:
     >>> peak = scheduled_peak(prof, chosen, Accounting(prof), copy_schedule(prof, chosen))
@@ -72,35 +73,50 @@ def offload_first(prof: StepProfile, options: list[list[BlockOption]], budget: i
                   peak: Callable[[list[BlockOption]], int]) -> list[list[BlockOption]]:
     """The offload-first plans that fit ``budget`` (``peak``: a plan's whole-step peak): for each count ``m`` of
     leading blocks (up to 3) and each level of ``keep_offload`` they all offer, the fewest blocks after them
-    checkpointed (with offloaded inputs where offered) that fit, the rest kept.
+    checkpointed (with offloaded inputs where offered) that fit; the rest kept, or moving as many of their largest
+    tensors as their own forward hides.
 
     Example:
         >>> plans = offload_first(prof, chain_options(prof), budget, lambda chosen: predict(prof, chosen)[0])
     """
     n = len(options)
-    keep = [choices[0] for choices in options]
     recompute = [_recomputing(choices) for choices in options]
+    rests = [[choices[0] for choices in options]]
+    hidden = [[o for o in choices if o.name == "keep_offload" and o.copy_time == 0] for choices in options]
+    if any(hidden):
+        rests.append([levels[-1] if levels else choices[0] for levels, choices in zip(hidden, options, strict=True)])
     found = []
     for m in range(1, min(_LEADING, n - 1) + 1):
         levels = [[o for o in choices if o.name == "keep_offload"] for choices in options[:m]]
         for level in range(min((len(found_levels) for found_levels in levels), default=0)):
-            lead = [found_levels[level] for found_levels in levels]
+            for rest in rests:
+                lead = [found_levels[level] for found_levels in levels]
 
-            def plan(count: int, lead: list[BlockOption] = lead, m: int = m) -> list[BlockOption] | None:
-                rest = [recompute[q] if q < m + count else keep[q] for q in range(m, n)]
-                return None if None in rest else [*lead, *rest]
+                def plan(count: int, lead: list[BlockOption] = lead, m: int = m, rest: list[BlockOption] = rest
+                         ) -> list[BlockOption] | None:
+                    after = [recompute[q] if q < m + count else rest[q] for q in range(m, n)]
+                    return None if None in after else [*lead, *after]
 
-            low, high = 0, n - m  # the peak falls as more blocks recompute: the fewest that fit, by bisection
-            if plan(high) is None or peak(plan(high)) > budget:
-                continue
-            while low < high:
-                middle = (low + high) // 2
-                if plan(middle) is not None and peak(plan(middle)) <= budget:
-                    high = middle
-                else:
-                    low = middle + 1
-            found.append(plan(high))
+                high = _fewest(plan, n - m, peak, budget)
+                if high is not None:
+                    found.append(plan(high))
     return found
+
+
+def _fewest(plan: Callable[[int], list[BlockOption] | None], most: int, peak: Callable[[list[BlockOption]], int],
+            budget: int) -> int | None:
+    """The fewest recomputing blocks ``plan(count)`` needs to fit ``budget``, by bisection (its peak falls as more
+    blocks recompute); None if even ``most`` do not fit."""
+    if plan(most) is None or peak(plan(most)) > budget:
+        return None
+    low, high = 0, most
+    while low < high:
+        middle = (low + high) // 2
+        if plan(middle) is not None and peak(plan(middle)) <= budget:
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def _recomputing(choices: list[BlockOption]) -> BlockOption | None:
