@@ -130,6 +130,7 @@ def profile(
     repeats: int = 5,
     ops: bool = True,
     fresh_timings: bool = False,
+    hold_output: bool = True,
     **example_kwargs: Any,
 ) -> Profile:
     """Profile training steps of ``model(*example_inputs, **example_kwargs)`` (no checkpointing).
@@ -144,6 +145,12 @@ def profile(
     the next; ``fresh_timings=True`` measures again.  A Hugging Face model with ``use_cache=True`` is
     profiled with the cache off, as transformers trains with gradient checkpointing (one warning; its config
     is left as it was).
+
+    ``hold_output``: the step measured keeps the model's output (a causal LM's logits) alive until backward ends,
+    as ``out = model(x); loss = out.loss; loss.backward()`` does, and so do the peaks predicted for plans made from
+    the profile (``Plan.hold_output`` records it; :func:`remat.check_plan` trains that way).  ``False``: the output
+    dies once the loss is computed, as in ``loss_fn(model(x)).backward()``; a peak lower by what the output holds
+    after the loss.
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
     (``with torch.device("meta"): model = ...``); bytes are those the same step keeps on the CPU (attention runs
@@ -175,7 +182,7 @@ def profile(
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
-                               throughput, repeats)
+                               throughput, repeats, hold_output)
         except (RuntimeError, NotImplementedError) as error:
             if on_meta is None or "meta" not in str(error).lower():
                 raise
@@ -345,6 +352,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     allow: Sequence[str] = DEFAULT_ALLOW,
     modules: Sequence[str] | None = None,
+    hold_output: bool = True,
     **example_kwargs: Any,
 ) -> Plan:
     """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
@@ -355,8 +363,9 @@ def plan(
     lists the options a block may take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective``
     (op-level: keep chosen op outputs of the block, recompute the rest; needs one more forward to record the op
     graphs) and ``offload`` (only considered on an accelerator).  For several budgets, profile once and call
-    ``prof.plan(budget)`` for each.  The plan records the model it was made for (``plan.meta``) and checks it
-    when applied.
+    ``prof.plan(budget)`` for each.  ``hold_output``: the training loop keeps the model's output until backward
+    ends (the default) or lets go of it once the loss is computed, as in :func:`remat.profile`.  The plan records
+    the model it was made for (``plan.meta``) and checks it when applied.
 
     Example:
         >>> p = remat.plan(model, input_ids=ids, labels=ids, budget="50%")   # Hugging Face: .loss is the loss
@@ -367,5 +376,5 @@ def plan(
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
     refuse_checkpointed(model, "remat.plan")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
-                   **example_kwargs)
+                   hold_output=hold_output, **example_kwargs)
     return prof.plan(budget, allow)

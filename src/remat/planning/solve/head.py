@@ -81,7 +81,9 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
     try:
         for p in params:
             p.grad = None
-        traced = _trace(model, lambda: model(*example_inputs, **example_kwargs).loss, inputs, blocks)
+        # in the loop the profile measured: with the output held, the chunked head's holds no logits (None)
+        traced = _trace(model, lambda: model(*example_inputs, **example_kwargs), lambda output: output.loss, inputs,
+                        blocks, hold_output=prof.hold_output)
     finally:
         unchunk_lm_head(model)
         for p, g in zip(params, saved_grads):
@@ -93,7 +95,7 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
     for row, measured in zip(chunked.rows, rows):
         row.region_time, row.tail_time = measured.region_time, measured.tail_time
     chunked = replace(chunked, ops=prof.ops, links=list(prof.links), notes=list(prof.notes),
-                      estimated_time=prof.estimated_time)
+                      estimated_time=prof.estimated_time, hold_output=prof.hold_output)
     return HeadOption(chunks, chunked, _head_time(head, labels, chunks, repeats))
 
 

@@ -353,6 +353,7 @@ def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget
         blocks=blocks,
         segments=segments,
         copies=copies,
+        hold_output=prof.hold_output,
     )
     result._wrappers = wrappers
     return result
