@@ -223,7 +223,7 @@ def _profile_of(args: argparse.Namespace):
     _check_forward(model, inputs, kwargs, args)
     with _running_the_model(args):
         return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
-                       fresh_timings=getattr(args, "fresh_timings", False),
+                       fresh_timings=getattr(args, "fresh_timings", False), hold_output=not args.drop_output,
                        ops="selective" in getattr(args, "allow", ()), **kwargs)
 
 
@@ -464,6 +464,8 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
     parser.add_argument("--fresh-timings", action="store_true",
                         help="measure op times again instead of reusing this machine's (REMAT_CACHE_DIR)")
+    parser.add_argument("--drop-output", action="store_true", help="for a loop that lets go of the model's output "
+                        "once the loss is computed (default: it holds the output, the logits, until backward ends)")
 
 
 _LOSS = ("The step's loss is the output's .loss (a Hugging Face model given labels by --inputs) or else the sum "
