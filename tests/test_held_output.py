@@ -138,11 +138,53 @@ def test_the_held_step_peaks_higher_by_the_logits(name):
 def test_the_chunked_head_holds_no_logits_in_the_loop_that_keeps_the_output():
     """A GPT-2's plan with its output layer and loss in chunks (its output's logits are None) holds in either loop."""
     case, prof = _profiled("gpt2", None)
-    assert prof.head is not None and prof.head.profile.hold_output
+    _, dropped = _profiled("gpt2", False)
+    assert prof.head is not None and prof.head.profile.hold_output and not dropped.head.profile.hold_output
+    assert [s.peak for s in prof.head.profile.segments] == [s.peak for s in dropped.head.profile.segments]
     # a plan on the chunked head's timeline, as Profile.plan makes it where that one is cheaper (80% of its peak)
     plan = replace(plan_from_profile(prof.head.profile, 0.8), head_chunks=prof.head.chunks, meta=prof.model_meta)
     for step in (case.held_step, case.dropped_step):
         _assert_within_tolerance(_peaks_in_training(case, plan, step), plan)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.down(torch.relu(self.up(x))))
+
+
+class _WideLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.up(x))  # the model's output, which its tanh saves
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block(), _Block(), _WideLast()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_an_output_its_last_block_saves_outlives_that_block_checkpointed():
+    """The loop holds the output whatever the plan: checkpointing the block that made (and saved) it frees nothing
+    of it, and its recomputation makes another copy while it is held."""
+    torch.manual_seed(0)
+    case = _Case(_Net(), (torch.randn(2048, 64),), {}, lambda out: out.sum(), 2048 * 1024 * 4)
+    prof = remat.profile(case.model, *case.args, loss_fn=case.loss_fn, repeats=1)
+    for decisions in ({"blocks.3": "checkpoint"}, {f"blocks.{i}": "checkpoint" for i in range(4)}, {}):
+        plan = prof.price(decisions)
+        _assert_within_tolerance(_peaks_in_training(case, plan, case.held_step), plan)
 
 
 @pytest.mark.parametrize("hold_output", [True, False])
