@@ -62,15 +62,16 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
                  custom_loss: bool, prof: StepProfile, repeats: int) -> HeadOption | None:
     """The chunked-head option of a profiled step, or None where it does not apply.
 
-    It applies to a Hugging Face causal LM (:func:`remat.chunk_lm_head` accepts it) in training mode, profiled
-    with ``labels`` and its own loss (no ``loss_fn``), not already chunked.
+    It applies to a Hugging Face causal LM in training mode, profiled with ``labels`` and its own loss (no
+    ``loss_fn``), not already chunked, whose loss on the profiled call :func:`remat.chunk_lm_head` shows to be
+    the chunked one.
 
     Example:
         >>> option = measure_head(model, (), {"input_ids": ids, "labels": ids}, blocks, False, prof, 5)
     """
     labels = example_kwargs.get("labels")
     if (custom_loss or labels is None or not model.training or lm_head_chunks(model) is not None
-            or lm_head_refusal(model)):
+            or lm_head_refusal(model, *example_inputs, **example_kwargs)):
         return None
     head = model.get_output_embeddings()
     chunks = head_chunk_count(labels.numel(), head.in_features)
