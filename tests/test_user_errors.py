@@ -328,9 +328,10 @@ def test_a_ready_made_policy_is_taken_by_its_name():
 
 @pytest.mark.parametrize("policy, error, words", [
     ("save_matmul", ValueError, "no policy is named 'save_matmul'; did you mean 'save_matmuls'? the ready-made "
-                                "policies are 'save_matmuls' and 'save_nothing'"),
+                                "policies are 'save_collectives' and 'save_matmuls' and 'save_nothing'"),
     ("save_names", ValueError, "'save_names' needs the names of the tensors it applies to"),
-    (5, TypeError, "policy must be the name of a ready-made policy ('save_matmuls' or 'save_nothing')"),
+    (5, TypeError,
+     "policy must be the name of a ready-made policy ('save_collectives' or 'save_matmuls' or 'save_nothing')"),
 ])
 def test_a_policy_that_is_none_is_refused_with_the_choices(policy, error, words):
     with pytest.raises(error) as refused:
