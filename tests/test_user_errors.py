@@ -511,3 +511,15 @@ def test_a_bad_argument_is_refused_in_one_line_before_anything_runs(argv, words,
     monkeypatch.chdir(tmp_path)
     code, line = _run(argv, capsys)
     assert code == 2 and line.startswith(f"remat {argv[0]}: error: {words}")
+
+
+def test_partition_inputs_without_a_process_group_or_with_offload_is_refused_in_one_line():
+    block = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="partition_inputs needs torch.distributed's process group") as refused:
+        remat.checkpoint(block, x, partition_inputs=object())
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="offload_inputs or partition_inputs, not both"):
+        remat.checkpoint(block, x, partition_inputs=object(), offload_inputs=True)
+    with pytest.raises(ValueError, match="need use_reentrant=False"):
+        remat.checkpoint(block, x, partition_inputs=object(), use_reentrant=True)
