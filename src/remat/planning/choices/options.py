@@ -40,14 +40,15 @@ from ..measure.prices import forward_spared
 from ..measure.profile import ModuleProfile, StepProfile
 from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
 
-__all__ = ["BlockOption", "CopySchedule", "block_options", "copy_schedule", "selective_option", "selective_options",
-           "step_extra_time"]
+__all__ = ["BlockOption", "CopySchedule", "block_options", "copy_schedule", "offloads_note", "selective_option",
+           "selective_options", "step_extra_time", "unavailable_offloads"]
 
 OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
 ALLOWED = OPTIONS[1:]
 # Offloading op outputs is asked for by name: on an H100 a Llama layer that offloaded 32 MiB of op outputs
 # measured ~4 ms of extra time, priced ~2 ms, and no plan measured faster with offloads than without.
 DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload")
+OFFLOADS = ("offload", "checkpoint_offload", "keep_offload")
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice: where none was measured
 _GRID = 2.0**32  # prices per second
 
@@ -112,6 +113,11 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     unknown = set(allow) - set(ALLOWED)
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(ALLOWED)}.")
+    missing = unavailable_offloads(prof.device, allow)
+    if allow and set(allow) <= set(missing):  # a plan could only keep every block: not what was asked
+        others = _listed([o for o in ALLOWED if o not in OFFLOADS], "or")
+        raise ValueError(f"remat.plan: {_unavailable_phrase(prof.device, missing)}: allow {others}, or profile the "
+                         "model on a CUDA device.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
     measured = [g.overheads.link_bytes_per_s for g in prof.ops.blocks.values()] if prof.ops is not None else []
     link = max(measured, default=0.0) or _OFFLOAD_BYTES_PER_SECOND
@@ -151,6 +157,44 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
                                        in_flight=in_flight))
         per_block.append(choices)
     return per_block
+
+
+def unavailable_offloads(device: str, allow: Sequence[str]) -> list[str]:
+    """The options of ``allow`` that move bytes to host memory and that no block of a profile on ``device`` gets:
+    all of them on the CPU and the meta device (a CPU tensor is in host memory already), ``keep_offload`` on an
+    accelerator whose copy engine runs copies in line with the compute.
+
+    Example:
+        >>> unavailable_offloads("cpu", ("checkpoint", "checkpoint_offload"))
+        ['checkpoint_offload']
+    """
+    if device.startswith(("cpu", "meta")):
+        return [o for o in allow if o in OFFLOADS]
+    engine = engine_for(device.split(":")[0])
+    asynchronous = engine is not None and engine.model.asynchronous
+    return [] if asynchronous or "keep_offload" not in allow else ["keep_offload"]
+
+
+def offloads_note(device: str, allow: Sequence[str]) -> str:
+    """One sentence saying which options of ``allow`` a profile on ``device`` cannot have and why ('' if none).
+
+    Example:
+        >>> offloads_note("cpu", ("checkpoint", "offload"))
+        'offload needs an accelerator whose copies run on their own stream (CUDA); on cpu it is not available.'
+    """
+    missing = unavailable_offloads(device, allow)
+    return f"{_unavailable_phrase(device, missing)}." if missing else ""
+
+
+def _unavailable_phrase(device: str, missing: Sequence[str]) -> str:
+    names = _listed(missing, "and")
+    one = len(missing) == 1
+    return (f"{names} {'needs' if one else 'need'} an accelerator whose copies run on their own stream (CUDA); on "
+            f"{device} {'it is' if one else 'they are'} not available")
+
+
+def _listed(names: Sequence[str], conjunction: str) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
 
 
 def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProfile) -> list[BlockOption]:
