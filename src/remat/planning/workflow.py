@@ -81,7 +81,7 @@ class Profile(StepProfile):
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
         made = plan_with_head(self, self.head, budget, allow)  # a refusal says it in its line
-        _warn_unavailable(self.device, allow)
+        _warn_unavailable(self, allow)
         return self._for_this_model(made)
 
     def alternatives(self, budget: Budget | int | float | str, count: int = 5,
@@ -96,7 +96,7 @@ class Profile(StepProfile):
             ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
         """
         made = alternatives_with_head(self, self.head, budget, count, allow)
-        _warn_unavailable(self.device, allow)
+        _warn_unavailable(self, allow)
         return [self._for_this_model(p) for p in made]
 
     def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
@@ -121,18 +121,18 @@ class Profile(StepProfile):
         Example:
             >>> print(prof.front(budgets=("50%", "30%")))
         """
-        _warn_unavailable(self.device, allow)
+        _warn_unavailable(self, allow)
         return front(self, budgets) if allow is None else front(self, budgets, allow)
 
 
-def _warn_unavailable(device: str, allow: Sequence[str] | None) -> None:
-    """One line where options asked for by name are not available on ``device`` and the others still plan (where
-    none is, the options' builder refuses)."""
+def _warn_unavailable(prof: StepProfile, allow: Sequence[str] | None) -> None:
+    """One line where options asked for by name are not available to the blocks of ``prof`` and the others still
+    plan (where none is, the options' builder refuses)."""
     if allow is None or tuple(allow) == DEFAULT_ALLOW:
         return
-    left = [o for o in allow if o not in unavailable_offloads(device, allow)]
+    left = [o for o in allow if o not in unavailable_offloads(prof, allow)]
     if left and len(left) < len(allow):
-        warnings.warn(f"remat.plan: {offloads_note(device, allow)[:-1]}; planning with {', '.join(left)} only.",
+        warnings.warn(f"remat.plan: {offloads_note(prof, allow)[:-1]}; planning with {', '.join(left)} only.",
                       stacklevel=user_stacklevel())
 
 

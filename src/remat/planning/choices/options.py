@@ -113,7 +113,7 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     unknown = set(allow) - set(ALLOWED)
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(ALLOWED)}.")
-    missing = unavailable_offloads(prof.device, allow)
+    missing = unavailable_offloads(prof, allow)
     if allow and set(allow) <= set(missing):  # a plan could only keep every block: not what was asked
         others = _listed([o for o in ALLOWED if o not in OFFLOADS], "or")
         raise ValueError(f"remat.plan: {_unavailable_phrase(prof.device, missing)}: allow {others}, or profile the "
@@ -159,31 +159,34 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     return per_block
 
 
-def unavailable_offloads(device: str, allow: Sequence[str]) -> list[str]:
-    """The options of ``allow`` that move bytes to host memory and that no block of a profile on ``device`` gets:
-    all of them on the CPU and the meta device (a CPU tensor is in host memory already), ``keep_offload`` on an
-    accelerator whose copy engine runs copies in line with the compute.
+def unavailable_offloads(prof: StepProfile, allow: Sequence[str]) -> list[str]:
+    """The options of ``allow`` that move bytes to host memory and that no block of ``prof`` gets: on the CPU and
+    the meta device all of them (a CPU tensor is in host memory already) but ``offload``'s moved op outputs of
+    ``selective`` blocks where the op graphs were timed as on an accelerator; on an accelerator whose copy engine
+    runs copies in line with the compute, ``keep_offload``.
 
     Example:
-        >>> unavailable_offloads("cpu", ("checkpoint", "checkpoint_offload"))
+        >>> unavailable_offloads(prof, ("checkpoint", "checkpoint_offload"))  # prof.device == "cpu"
         ['checkpoint_offload']
     """
-    if device.startswith(("cpu", "meta")):
-        return [o for o in allow if o in OFFLOADS]
-    engine = engine_for(device.split(":")[0])
+    if prof.device.startswith(("cpu", "meta")):
+        graphs = prof.ops.blocks.values() if prof.ops is not None and "selective" in allow else ()
+        twins = any(graph.asynchronous for graph in graphs)  # offload_twins: what a host link would hide
+        return [o for o in allow if o in OFFLOADS and not (o == "offload" and twins)]
+    engine = engine_for(prof.device.split(":")[0])
     asynchronous = engine is not None and engine.model.asynchronous
     return [] if asynchronous or "keep_offload" not in allow else ["keep_offload"]
 
 
-def offloads_note(device: str, allow: Sequence[str]) -> str:
-    """One sentence saying which options of ``allow`` a profile on ``device`` cannot have and why ('' if none).
+def offloads_note(prof: StepProfile, allow: Sequence[str]) -> str:
+    """One sentence saying which options of ``allow`` no block of ``prof`` gets and why ('' if none).
 
     Example:
-        >>> offloads_note("cpu", ("checkpoint", "offload"))
+        >>> offloads_note(prof, ("checkpoint", "offload"))  # prof.device == "cpu"
         'offload needs an accelerator whose copies run on their own stream (CUDA); on cpu it is not available.'
     """
-    missing = unavailable_offloads(device, allow)
-    return f"{_unavailable_phrase(device, missing)}." if missing else ""
+    missing = unavailable_offloads(prof, allow)
+    return f"{_unavailable_phrase(prof.device, missing)}." if missing else ""
 
 
 def _unavailable_phrase(device: str, missing: Sequence[str]) -> str:
