@@ -227,3 +227,12 @@ def test_unsteady_timings_are_one_line_per_profile_naming_blocks_as_paths(monkey
     assert len(unsteady) == 1, unsteady
     assert _one_line(unsteady[0]).startswith("remat.profile: the forward of `0` and 2 more blocks varied by up to 50%")
 
+
+
+def test_larger_blocks_are_advised_only_where_runs_of_these_were_not_weighed():
+    common = {"budget": 1_000, "smallest": 2_000, "param_bytes": 0, "unplanned_above": 2_000, "nothing_frees": True}
+    apart = _one_line(str(remat.InfeasibleBudget(**common)))
+    assert "name larger blocks with modules=[...]" in apart
+    chained = _one_line(str(remat.InfeasibleBudget(**common, chained=True)))
+    assert "larger blocks" not in chained and chained.endswith("nor any run of them as one region: reduce the batch "
+                                                               "/ sequence length.")

@@ -26,17 +26,19 @@ class InfeasibleBudget(ValueError):
     only what lowers that peak: ``writing`` names the blocks that write in place to their inputs, which no region
     may start at, ``in_place`` the layers among them built to (``nn.ReLU(inplace=True)``), and ``unwritten`` the
     smallest peak were they not to (None: not lower, so no advice about them); ``nothing_frees``: no option of the
-    blocks frees memory; ``unavailable``: a sentence on the options asked for that this device cannot have.
+    blocks frees memory, and ``chained``: runs of them as one region were weighed too, so larger blocks made of
+    them would free no more; ``unavailable``: a sentence on the options asked for that this device cannot have.
     ``reasons`` holds these, to state them again for another budget or smallest peak.
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
                  requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = (),
-                 in_place: Sequence[str] = (), unwritten: int | None = None, unavailable: str = "") -> None:
+                 in_place: Sequence[str] = (), unwritten: int | None = None, unavailable: str = "",
+                 chained: bool = False) -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
         self.reasons: dict[str, Any] = {"nothing_frees": nothing_frees, "writing": tuple(writing),
                                         "in_place": tuple(in_place), "unwritten": unwritten,
-                                        "unavailable": unavailable}
+                                        "unavailable": unavailable, "chained": chained}
         asked = ""
         if isinstance(requested, float):
             asked = f"{requested:.0%} came to "
@@ -56,7 +58,10 @@ class InfeasibleBudget(ValueError):
 
         advice = "Raise the budget to at least that, or reduce the batch / sequence length."
         lowered = unwritten is not None and unwritten < smallest
-        if nothing_frees and not lowered:  # every option keeps what it would free; larger blocks may free some
+        if nothing_frees and not lowered and chained:
+            advice = ("No option of these blocks frees memory, nor any run of them as one region: reduce the batch / "
+                      "sequence length.")
+        elif nothing_frees and not lowered:  # every option keeps what it would free; larger blocks may free some
             advice = ("No option of these blocks frees memory (a block checkpointed alone keeps its inputs, all "
                       "that a single layer saves); name larger blocks with modules=[...], or reduce the batch / "
                       "sequence length.")

@@ -312,7 +312,8 @@ def plan_from_profile(
                                writing=[row.name for row in writers],
                                in_place=[name for row in writers for name in row.in_place_layers],
                                unwritten=_unwritten_peak(prof, allow) if writers and built else None,
-                               unavailable="" if tuple(allow) == DEFAULT_ALLOW else offloads_note(prof, allow))
+                               unavailable="" if tuple(allow) == DEFAULT_ALLOW else offloads_note(prof, allow),
+                               chained=bool(prof.links) and all(prof.links) and "checkpoint" in allow)
     return plan_of(prof, placed, budget_bytes)
 
 
