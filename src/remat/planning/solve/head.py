@@ -167,9 +167,10 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
         found.extend(made)
     if found:
         return found
-    smallest = min(refusal.smallest for refusal in refusals)
-    if smallest == refusals[0].smallest:  # the step's own refusal says it all, its reasons included
+    lowest = min(refusals, key=lambda refusal: refusal.smallest)
+    if lowest is refusals[0]:  # the step's own refusal says it all, its reasons included
         raise refusals[0]
+    # one smallest peak, the lower: the step's own refusal, which states the higher, is not chained
     requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
-    raise InfeasibleBudget(budget_bytes, smallest, fixed, prof.peak_above_params, requested,
-                           writing=[row.name for row in prof.rows if row.writes_input]) from refusals[0]
+    raise InfeasibleBudget(budget_bytes, lowest.smallest, fixed, prof.peak_above_params, requested,
+                           **lowest.reasons) from None

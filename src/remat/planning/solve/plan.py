@@ -102,7 +102,7 @@ class Plan:
             return policy.wrap, (decision, policy.to_dict())
         wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
         if wrap is None:
-            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
+            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on `{name}`: a plan loaded from "
                              "JSON knows only the built-in options and op-level policies; rebuild it from the "
                              "profile and options.")
         return wrap, (decision, None)
@@ -424,15 +424,15 @@ def _mismatch(plan: Plan, model: nn.Module) -> str:
         expected = plan.meta.get("blocks", {}).get(name)
         if block is None:
             kind = f"{_short(expected['class'])} " if expected else ""
-            return f"the plan's {kind}block {name} is not in this {model_name}{_count_hint(model, plan)}"
+            return f"the plan's {kind}block `{name}` is not in this {model_name}{_count_hint(model, plan)}"
         if expected is None:
             continue
         if expected["class"] != _class_name(block):
-            return f"block {name} is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
+            return f"block `{name}` is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
         shapes = _shapes(block)
         if shapes != expected["params"]:
             difference = _first_difference(shapes, expected["params"])
-            return f"block {name} has other parameters than in the plan ({difference})"
+            return f"block `{name}` has other parameters than in the plan ({difference})"
     return ""
 
 
@@ -442,7 +442,8 @@ def _count_hint(model: nn.Module, plan: Plan) -> str:
     if not present:
         return ""
     found = _same_kind(model, present)
-    return f" (it has {len(found)} such blocks, the plan {len(plan.decisions)})"
+    kinds = list(dict.fromkeys(type(_unwrapped(_find(model, name))).__name__ for name in found))
+    return f" (it has {len(found)} {'/'.join(kinds)} blocks, the plan {len(plan.decisions)})"
 
 
 def _first_difference(here: dict[str, str], planned: dict[str, str]) -> str:
