@@ -93,7 +93,7 @@ def test_a_plan_for_another_model_is_refused_before_training(case):
     model, tokens, loss_fn, prof = case
     plan = prof.plan(0.6, allow=("checkpoint",))
     other = GPT(dataclasses.replace(CFG, n_layers=2))
-    with pytest.raises(ValueError, match=r"^remat.Plan.apply: the plan's Block block blocks.2 is not in this GPT"):
+    with pytest.raises(ValueError, match=r"^remat.Plan.apply: the plan's Block block `blocks.2` is not in this GPT"):
         remat.check_plan(other, plan, tokens, loss_fn=loss_fn)
     with pytest.raises(ValueError, match="optimizer must be one of adamw, sgd"):
         remat.check_plan(model, plan, tokens, loss_fn=loss_fn, optimizer="lion")

@@ -25,7 +25,7 @@ from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
 from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
-from .choices.options import DEFAULT_ALLOW
+from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
 from .solve.alternatives import plan_for
@@ -80,7 +80,9 @@ class Profile(StepProfile):
             >>> prof = remat.profile(model, input_ids=ids, labels=ids)
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
-        return self._for_this_model(plan_with_head(self, self.head, budget, allow))
+        made = plan_with_head(self, self.head, budget, allow)  # a refusal says it in its line
+        _warn_unavailable(self, allow)
+        return self._for_this_model(made)
 
     def alternatives(self, budget: Budget | int | float | str, count: int = 5,
                      allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
@@ -93,7 +95,9 @@ class Profile(StepProfile):
             >>> for p in prof.alternatives("50%", count=3):
             ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
         """
-        return [self._for_this_model(p) for p in alternatives_with_head(self, self.head, budget, count, allow)]
+        made = alternatives_with_head(self, self.head, budget, count, allow)
+        _warn_unavailable(self, allow)
+        return [self._for_this_model(p) for p in made]
 
     def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
         """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
@@ -117,7 +121,19 @@ class Profile(StepProfile):
         Example:
             >>> print(prof.front(budgets=("50%", "30%")))
         """
+        _warn_unavailable(self, allow)
         return front(self, budgets) if allow is None else front(self, budgets, allow)
+
+
+def _warn_unavailable(prof: StepProfile, allow: Sequence[str] | None) -> None:
+    """One line where options asked for by name are not available to the blocks of ``prof`` and the others still
+    plan (where none is, the options' builder refuses)."""
+    if allow is None or tuple(allow) == DEFAULT_ALLOW:
+        return
+    left = [o for o in allow if o not in unavailable_offloads(prof, allow)]
+    if left and len(left) < len(allow):
+        warnings.warn(f"remat.plan: {offloads_note(prof, allow)[:-1]}; planning with {', '.join(left)} only.",
+                      stacklevel=user_stacklevel())
 
 
 def profile(
@@ -194,6 +210,12 @@ def profile(
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
         head = None if on_meta is not None else measure_head(model, example_inputs, kwargs, blocks,
                                                                loss_fn is not None, measured, repeats)
+    modules = dict(blocks)
+    for row in measured.rows:
+        if row.writes_input and row.name in modules:  # the refusal's advice: build these with inplace=False
+            row.in_place_layers = tuple(".".join(filter(None, (row.name, path)))
+                                        for path, layer in modules[row.name].named_modules()
+                                        if getattr(layer, "inplace", None) is True)
     # a segment's container must run its children itself: one its parent iterates never runs its forward
     measured.links = [link and name.rpartition(".")[0] in ran for name, link in zip(names, links)]
     # The shapes travel with every plan from this profile: its predictions hold at them (Plan.apply checks).

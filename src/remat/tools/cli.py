@@ -319,20 +319,27 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     for index, budget in enumerate(args.budget):
         if len(args.budget) > 1:
             print(("\n" if index else "") + f"== budget {budget} ==")
-        try:
-            plan = prof.plan(budget, allow=tuple(args.allow))
-        except InfeasibleBudget as error:
-            if len(args.budget) == 1:
-                raise UserError(_in_command_terms(str(error))) from error
-            print(f"refused: {_in_command_terms(str(error))}")
-            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                plan = prof.plan(budget, allow=tuple(args.allow))
+            except InfeasibleBudget as error:
+                if len(args.budget) == 1:
+                    raise UserError(_in_command_terms(str(error))) from error
+                print(f"refused: {_in_command_terms(str(error))}")
+                continue
+            except ValueError as error:  # options this device cannot have, and nothing else asked for
+                raise UserError(_unprefixed(str(error))) from error
+        if not made:  # the options' warning, once for every budget (a refusal states it)
+            _print_warnings(args.command, caught)
         made += 1
         print(plan)
         if args.output:
             plan.save(args.output)
             print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
     if args.front:
-        print(f"\nremat's plans beside every-k and offloaded inputs:\n{prof.front(allow=tuple(args.allow))}")
+        with warnings.catch_warnings(record=True):  # the options' warning is printed with the first plan
+            print(f"\nremat's plans beside every-k and offloaded inputs:\n{prof.front(allow=tuple(args.allow))}")
     if not made:
         raise UserError("no budget could be met; the messages above give the smallest peak any plan reaches")
     return 0

@@ -59,7 +59,8 @@ class ModuleProfile:
     its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
     costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
     block inside a region reruns them for the next one).  ``writes_input``: the block writes in place to an
-    input, so no region may start at it (only keep it, or run it inside a region that starts earlier).
+    input, so no region may start at it (only keep it, or run it inside a region that starts earlier);
+    ``in_place_layers``: then the module paths of its layers built to write in place (``nn.ReLU(inplace=True)``).
 
     A recomputing block keeps its inputs until its backward, where the step without a plan may have freed
     them: ``unsaved_held_bytes`` is the part of ``held_bytes`` the block does not save (a Dropout's input: it
@@ -92,6 +93,7 @@ class ModuleProfile:
     region_time: float = 0.0
     tail_time: float = 0.0
     writes_input: bool = False
+    in_place_layers: tuple[str, ...] = ()
     unsaved_held_bytes: int = 0
     released_inputs: list[tuple[int, int]] = field(default_factory=list)
     matmul_spared_bytes: int = 0

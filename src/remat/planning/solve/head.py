@@ -62,15 +62,16 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
                  custom_loss: bool, prof: StepProfile, repeats: int) -> HeadOption | None:
     """The chunked-head option of a profiled step, or None where it does not apply.
 
-    It applies to a Hugging Face causal LM (:func:`remat.chunk_lm_head` accepts it) in training mode, profiled
-    with ``labels`` and its own loss (no ``loss_fn``), not already chunked.
+    It applies to a Hugging Face causal LM in training mode, profiled with ``labels`` and its own loss (no
+    ``loss_fn``), not already chunked, whose loss on the profiled call :func:`remat.chunk_lm_head` shows to be
+    the chunked one.
 
     Example:
         >>> option = measure_head(model, (), {"input_ids": ids, "labels": ids}, blocks, False, prof, 5)
     """
     labels = example_kwargs.get("labels")
     if (custom_loss or labels is None or not model.training or lm_head_chunks(model) is not None
-            or lm_head_refusal(model)):
+            or lm_head_refusal(model, *example_inputs, **example_kwargs)):
         return None
     head = model.get_output_embeddings()
     chunks = head_chunk_count(labels.numel(), head.in_features)
@@ -168,9 +169,10 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
         found.extend(made)
     if found:
         return found
-    smallest = min(refusal.smallest for refusal in refusals)
-    if smallest == refusals[0].smallest:  # the step's own refusal says it all, its reasons included
+    lowest = min(refusals, key=lambda refusal: refusal.smallest)
+    if lowest is refusals[0]:  # the step's own refusal says it all, its reasons included
         raise refusals[0]
+    # one smallest peak, the lower: the step's own refusal, which states the higher, is not chained
     requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
-    raise InfeasibleBudget(budget_bytes, smallest, fixed, prof.peak_above_params, requested,
-                           writing=[row.name for row in prof.rows if row.writes_input]) from refusals[0]
+    raise InfeasibleBudget(budget_bytes, lowest.smallest, fixed, prof.peak_above_params, requested,
+                           **lowest.reasons) from None

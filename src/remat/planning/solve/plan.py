@@ -106,7 +106,7 @@ class Plan:
             return policy.wrap, (decision, policy.to_dict())
         wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
         if wrap is None:
-            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
+            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on `{name}`: a plan loaded from "
                              "JSON knows only the built-in options and op-level policies; rebuild it from the "
                              "profile and options.")
         return wrap, (decision, None)
@@ -130,12 +130,12 @@ class Plan:
         _remove_drains(model, self.decisions)
         if any(decision != "keep" for decision in self.decisions.values()):
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
-        if self.meta.get("inputs"):
-            watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
-        if self.head_chunks:
+        if self.head_chunks:  # first: its probe runs a forward that is not the user's first
             chunk_lm_head(model, self.head_chunks)
         elif lm_head_chunks(model) is not None:
             unchunk_lm_head(model)
+        if self.meta.get("inputs"):
+            watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
         in_segments = {name for run in self.segments for name in run}
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)
@@ -431,15 +431,15 @@ def _mismatch(plan: Plan, model: nn.Module) -> str:
         expected = plan.meta.get("blocks", {}).get(name)
         if block is None:
             kind = f"{_short(expected['class'])} " if expected else ""
-            return f"the plan's {kind}block {name} is not in this {model_name}{_count_hint(model, plan)}"
+            return f"the plan's {kind}block `{name}` is not in this {model_name}{_count_hint(model, plan)}"
         if expected is None:
             continue
         if expected["class"] != _class_name(block):
-            return f"block {name} is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
+            return f"block `{name}` is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
         shapes = _shapes(block)
         if shapes != expected["params"]:
             difference = _first_difference(shapes, expected["params"])
-            return f"block {name} has other parameters than in the plan ({difference})"
+            return f"block `{name}` has other parameters than in the plan ({difference})"
     return ""
 
 
@@ -449,7 +449,8 @@ def _count_hint(model: nn.Module, plan: Plan) -> str:
     if not present:
         return ""
     found = _same_kind(model, present)
-    return f" (it has {len(found)} such blocks, the plan {len(plan.decisions)})"
+    kinds = list(dict.fromkeys(type(_unwrapped(_find(model, name))).__name__ for name in found))
+    return f" (it has {len(found)} {'/'.join(kinds)} blocks, the plan {len(plan.decisions)})"
 
 
 def _first_difference(here: dict[str, str], planned: dict[str, str]) -> str:
