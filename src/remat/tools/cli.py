@@ -102,15 +102,9 @@ def _demo(args: argparse.Namespace) -> int:
     for column in ("mode", "peak above params", "whole peak", "step time", "overhead", "max |Δloss|", "max |Δgrad|"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results:
-        table.add_row(
-            r.name,
-            f"{_mib(r.peak_above_params)} ({r.peak_above_params / base.peak_above_params:.0%})",
-            _mib(r.peak_total),
-            f"{r.step_time * 1e3:,.1f} ms",
-            f"{r.step_time / base.step_time - 1:+.0%}",
-            f"{r.max_loss_diff(base):.3g}",
-            f"{r.max_grad_diff(base):.3g}",
-        )
+        table.add_row(r.name, f"{_mib(r.peak_above_params)} ({r.peak_above_params / base.peak_above_params:.0%})",
+                      _mib(r.peak_total), f"{r.step_time * 1e3:,.1f} ms", f"{r.step_time / base.step_time - 1:+.0%}",
+                      f"{r.max_loss_diff(base):.3g}", f"{r.max_grad_diff(base):.3g}")
     console.print(table)
     console.print(f"{results[-1].name}, per block (kept: bytes held from forward to backward):")
     console.print(str(plan), markup=False, highlight=False)
@@ -471,12 +465,12 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
     parser.add_argument("--fresh-timings", action="store_true",
                         help="measure op times again instead of reusing this machine's (REMAT_CACHE_DIR)")
-    parser.add_argument("--drop-output", action="store_true", help="for a loop that lets go of the model's output "
-                        "once the loss is computed (default: it holds the output, the logits, until backward ends)")
+    parser.add_argument("--drop-output", action="store_true", help="for a loop that drops the output after its loss")
 
 
 _LOSS = ("The step's loss is the output's .loss (a Hugging Face model given labels by --inputs) or else the sum "
-         "of the output.")
+         "of the output. The output is held until backward ends, as in the usual loop, or let go of once the loss is "
+         "computed with --drop-output (check: as the plan was made).")
 
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:
