@@ -59,6 +59,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
+from ..basics.ranks import gathered
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -292,7 +293,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         record = self.current
-        if record is None:
+        if record is None or func.namespace == "profiler":  # a wrapper's record_function marks (FSDP2's): no work
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
         out = func(*args, **kwargs)
@@ -523,7 +524,8 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             device = str(device_of(tensors))
-            with timings_cache() as cache:
+            # an FSDP2 block's parameters gathered by every rank before the lock: its timed runs are this rank's own
+            with gathered(_timed_modules(records, estimated)), timings_cache() as cache:
                 if overheads is None:
                     cached = cache.get("overheads", "", device)
                     overheads = Overheads(**cached) if cached else measure_overheads(device=device)
@@ -568,6 +570,15 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
             graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
                                       policy_replay=timing.policy_replay)
     return graphs, step_time
+
+
+def _timed_modules(records: dict[str, _BlockRecord], estimated: bool) -> list[nn.Module]:
+    """The modules :func:`_graphs` may time: the first block of each signature (none when times are estimated)."""
+    if estimated:
+        return []
+    unpriced = Overheads(0.0, 0.0, 0.0, 0.0, 0.0)  # a signature does not depend on the machinery's prices
+    first = {_graph(record, estimated, unpriced).signature: record.module for record in reversed(records.values())}
+    return list(first.values())
 
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
