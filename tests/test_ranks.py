@@ -4,7 +4,6 @@ the ranks' work tests/ranks_worker.py), and the rank and wrapper questions answe
 import json
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 
