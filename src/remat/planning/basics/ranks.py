@@ -15,6 +15,8 @@ never test for ranks or wrappers themselves; they ask this module:
 * :func:`gathered`: a block's FSDP2 parameters all-gathered once, by every rank together, for the block's timed
   runs, which then run as a recomputation does under FSDP2 (its hooks see a backward in progress and gather
   nothing), so no collective runs while a rank holds the timings file's lock;
+* :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
+  and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward.
 
 Without an initialized process group (or with one rank) every function is the identity.
@@ -28,13 +30,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
-__all__ = ["Ranks", "distributed", "gathered", "original_class", "reshard", "sharded_units", "unwrapped"]
+__all__ = ["Ranks", "distributed", "gathered", "local", "original_class", "reshard", "sharded_units",
+           "storage_resizes", "unwrapped"]
 
 T = TypeVar("T")
 
@@ -86,6 +90,44 @@ def original_class(module: nn.Module) -> type:
     if fsdp is None or not issubclass(cls, fsdp):
         return cls
     return next(base for base in cls.__mro__[1:] if not issubclass(base, fsdp))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local shard (FSDP2's sharded parameters and
+    gradients), any other tensor itself.  A DTensor's own storage reads as the whole tensor's bytes.
+
+    Example:
+        >>> local(model.blocks[0].attn.qkv.weight).shape     # FSDP2 on 2 ranks: half the rows
+        torch.Size([96, 32])
+    """
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+@contextlib.contextmanager
+def storage_resizes(resized: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``resized(storage)`` after every ``UntypedStorage.resize_`` in the body.
+
+    FSDP2 gathers a unit's parameters into storages it keeps and frees them by resizing them to nothing
+    (and back): storages that never die, so a count of live bytes that waits for a storage to die sees every
+    unit's gathered parameters alive at once.  A resize is not an operator a dispatch mode sees.
+
+    Example:
+        >>> with storage_resizes(lambda storage: print(storage.nbytes())):
+        ...     torch.UntypedStorage(8).resize_(0)
+        0
+    """
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        resized(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
 
 
 def sharded_units(module: nn.Module) -> list[nn.Module]:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ...engine.replay import tensor_leaves
+from ..basics.ranks import local
 from ..basics.units import format_bytes
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
@@ -404,7 +405,7 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     params = list(model.parameters())
     return StepProfile(
         rows=rows, segments=segments, shared=shared,
-        param_bytes=sum(p.untyped_storage().nbytes() for p in params),
+        param_bytes=sum(local(p).untyped_storage().nbytes() for p in params),
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
         grad_bytes=grad_bytes, peak_bytes=max(s.peak for s in segments), device=device, step_time=step_time,
     )

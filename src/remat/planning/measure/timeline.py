@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...engine.replay import tensor_leaves
 from ...policies.rules import MATMUL_OPS
+from ..basics.ranks import local, storage_resizes
 from .opgraph import _op_info
 
 __all__ = ["Segment", "live_bytes_timeline"]
@@ -79,7 +80,7 @@ class _Timeline(TorchDispatchMode):
 
     def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
         """The record of ``t``'s storage, created (and counted live) on first sight."""
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()  # a sharded tensor: the shard this rank holds
         found = self.storages.get(storage)
         if found is not None:
             return found
@@ -94,7 +95,19 @@ class _Timeline(TorchDispatchMode):
         weakref.finalize(storage, self._free, record)
         return record
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size in place (FSDP2's gathered parameters): the old bytes die, the new are born."""
+        record = self.storages.get(storage)
+        if record is None or record.nbytes == storage.nbytes():
+            return
+        self._free(record)
+        del self.storages[storage]
+        if storage.nbytes():
+            self.track(torch.empty(0, device=storage.device).set_(storage))
+
     def _free(self, record: _Storage) -> None:
+        if record.death is not None:  # freed by a resize already: the storage's own death frees nothing more
+            return
         self.events += 1
         self.live -= record.nbytes if record.counted else 0
         record.death, record.died_event = len(self.segments), self.events
@@ -263,7 +276,7 @@ def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torc
     try:
         with ExitStack() as contexts:
             for context in (torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter,
-                            *modes):
+                            storage_resizes(timeline.resized), *modes):
                 contexts.enter_context(context)
             loss = step()
             timeline.mark("loss")
@@ -273,7 +286,7 @@ def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torc
         probe.close_backward()
     finally:
         probe.remove()
-    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    grad_bytes = sum(local(p.grad).untyped_storage().nbytes() for p in params if p.grad is not None)
     return timeline, probe, meter, grad_bytes
 
 
