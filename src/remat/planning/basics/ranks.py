@@ -217,6 +217,17 @@ class Ranks:
         wrapped = unwrapped(model) is not model or bool(sharded_units(model))
         return cls(unwrapped(model), wrapped and distributed())
 
+    @property
+    def chunked_head(self) -> bool:
+        """Whether the output layer and loss may be planned in chunks: not on an FSDP2 model, whose output layer's
+        weight the chunked loss would read sharded, outside the root's forward.
+
+        Example:
+            >>> Ranks.of(model).chunked_head
+            True
+        """
+        return not sharded_units(self.model)
+
     def agree(self, who: str, description: dict[str, Any]) -> None:
         """Raise ValueError on every rank if any rank's ``description`` differs from rank 0's (a collective
         when ranks work together).

@@ -356,7 +356,7 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     # the matmul outputs save_matmuls keeps: those no later op writes in place
     kept_matmuls = [meter.outputs[i] - meter.overwritten for i in range(n)]
     for record in timeline.records:
-        if record.existing:
+        if record.existing or record in timeline.refilled:  # FSDP2 frees its gathered parameters, not autograd
             continue
         saving = sorted(j for j in record.savers if j is not None)
         if saving:

@@ -69,6 +69,7 @@ class _Timeline(TorchDispatchMode):
         self.segment_start = 0
         self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.records: list[_Storage] = []
+        self.refilled: set[_Storage] = set()  # storages a wrapper fills in place (FSDP2's gathered parameters)
         self.events = 0  # allocations and frees so far
         self.peak_events: list[int] = []  # per segment: the last event at which its peak was reached
         for t in existing:
@@ -98,12 +99,13 @@ class _Timeline(TorchDispatchMode):
     def resized(self, storage: torch.UntypedStorage) -> None:
         """A storage changed size in place (FSDP2's gathered parameters): the old bytes die, the new are born."""
         record = self.storages.get(storage)
-        if record is None or record.nbytes == storage.nbytes():
+        if record is not None and record.nbytes == storage.nbytes():
             return
-        self._free(record)
-        del self.storages[storage]
+        if record is not None:
+            self._free(record)
+            del self.storages[storage]
         if storage.nbytes():
-            self.track(torch.empty(0, device=storage.device).set_(storage))
+            self.refilled.add(self.track(torch.empty(0, device=storage.device).set_(storage)))
 
     def _free(self, record: _Storage) -> None:
         if record.death is not None:  # freed by a resize already: the storage's own death frees nothing more
