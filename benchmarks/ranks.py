@@ -89,7 +89,7 @@ def _measured(model, batches) -> list[int]:
     for step, (args, kwargs, loss_fn) in enumerate(batches):
         torch.manual_seed(step)
 
-        def run():
+        def run(args=args, kwargs=kwargs, loss_fn=loss_fn):
             opt.zero_grad(set_to_none=True)
             _loss(model, args, kwargs, loss_fn).backward()
             opt.step()
@@ -141,8 +141,8 @@ def main() -> None:
                 for who, rows in enumerate(every):
                     row = rows[index]
                     if "refused" in row:
-                        print(f"{name:<6} {wrapper:<11} {row['budget']:<6} {who:>4} refused: the smallest peak any plan "
-                              f"reaches is {format_bytes(row['refused'])}")
+                        print(f"{name:<6} {wrapper:<11} {row['budget']:<6} {who:>4} refused: the smallest peak "
+                              f"any plan reaches is {format_bytes(row['refused'])}")
                         continue
                     worst = max((m - row["predicted"] for m in row["measured"]), key=abs) / row["predicted"]
                     steps = " ".join(format_bytes(m) for m in row["measured"])

@@ -51,22 +51,26 @@ def _loss_fn(targets):
 
 
 def _train(model, batches):
-    """Losses and this rank's gradients (local shards) of STEPS SGD steps."""
+    """Losses, this rank's gradients (local shards) and peaks (remat.measure_step) of STEPS SGD steps."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads = [], []
+    losses, grads, peaks = [], [], []
     for step, (tokens, targets) in enumerate(batches):
         torch.manual_seed(step)  # dropout draws alike in both runs
-        opt.zero_grad()
-        loss = _loss_fn(targets)(model(tokens))
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
-        opt.step()
-    return losses, grads
+
+        def run(tokens=tokens, targets=targets):
+            opt.zero_grad()
+            loss = _loss_fn(targets)(model(tokens))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
+            opt.step()
+
+        peaks.append(remat.measure_step(run, model, opt).peak_total)
+    return losses, grads, peaks
 
 
 def _bitwise(expected, got) -> bool:
-    (want_losses, want_grads), (losses, grads) = expected, got
+    (want_losses, want_grads, _), (losses, grads, _) = expected, got
     return all(torch.equal(a, b) for a, b in zip(want_losses, losses)) and all(
         torch.equal(a, b) for want, have in zip(want_grads, grads) for a, b in zip(want, have))
 
@@ -76,13 +80,15 @@ def _case(wrapper: str, rank: int, budget: str) -> dict:
     expected = _train(_wrapped(_gpt(), wrapper), batches)
     model = _wrapped(_gpt(), wrapper)
     tokens, targets = batches[0]
-    plan = remat.plan(model, tokens, loss_fn=_loss_fn(targets), budget=budget)
-    after = _bitwise(expected, _train(plan.apply(model), batches))
+    prof = remat.profile(model, tokens, loss_fn=_loss_fn(targets))
+    plan = prof.plan(budget)
+    after = _train(plan.apply(model), batches)
     plan.remove(model)
     unwrapped_names = [name for name, _ in model.named_modules() if "_checkpoint_wrapped_module" in name]
     before = _bitwise(expected, _train(_wrapped(plan.apply(_gpt()), wrapper), batches))
-    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "applied_after": after,
-            "applied_before": before, "left_after_remove": unwrapped_names}
+    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
+            "applied_after": _bitwise(expected, after), "applied_before": before, "left_after_remove": unwrapped_names, "profiled_peak": prof.peak_bytes,
+            "unplanned_peaks": expected[2], "planned_peaks": after[2]}
 
 
 def _desynchronised(rank: int) -> str:

@@ -190,8 +190,9 @@ def profile(
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
-        head = None if on_meta is not None or not ranks.chunked_head else measure_head(model, example_inputs, kwargs, blocks,
-                                                               loss_fn is not None, measured, repeats)
+        chunkable = on_meta is None and ranks.chunked_head
+        head = None if not chunkable else measure_head(model, example_inputs, kwargs, blocks, loss_fn is not None,
+                                                       measured, repeats)
     # a segment's container must run its children itself: one its parent iterates never runs its forward
     measured.links = [link and name.rpartition(".")[0] in ran for name, link in zip(names, links)]
     # The shapes travel with every plan from this profile: its predictions hold at them (Plan.apply checks).
