@@ -87,8 +87,8 @@ def _case(wrapper: str, rank: int, budget: str) -> dict:
     unwrapped_names = [name for name, _ in model.named_modules() if "_checkpoint_wrapped_module" in name]
     before = _bitwise(expected, _train(_wrapped(plan.apply(_gpt()), wrapper), batches))
     return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
-            "applied_after": _bitwise(expected, after), "applied_before": before, "left_after_remove": unwrapped_names, "profiled_peak": prof.peak_bytes,
-            "unplanned_peaks": expected[2], "planned_peaks": after[2]}
+            "applied_after": _bitwise(expected, after), "applied_before": before, "left_after_remove": unwrapped_names,
+            "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2]}
 
 
 def _desynchronised(rank: int) -> str:
