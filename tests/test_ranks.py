@@ -39,10 +39,10 @@ def test_plan_applied_after_or_before_wrapping_trains_bitwise(per_rank, wrapper)
         assert rank[wrapper]["left_after_remove"] == []
 
 
-@pytest.mark.parametrize("wrapper", ["fsdp2", "fsdp2_kept"])
-def test_fsdp2_per_rank_peaks_are_predicted_at_every_step(per_rank, wrapper):
-    """What one rank holds: its shards, the units FSDP2 gathers (and keeps gathered), activations; MemTracker's
-    peak of every SGD step, unplanned and planned, on every rank."""
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_per_rank_peaks_are_predicted_at_every_step(per_rank, wrapper):
+    """What one rank holds: its shards, the units FSDP2 gathers (and keeps gathered), DDP's gradient buckets,
+    activations; remat.measure_step's peak of every SGD step, unplanned and planned, on every rank."""
     for rank in per_rank:
         case = rank[wrapper]
         assert case["unplanned_peaks"] == [case["profiled_peak"]] * 3

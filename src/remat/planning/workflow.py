@@ -208,7 +208,8 @@ def profile(
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
-    return ranks.same(result)  # trained by several ranks: rank 0's timings on every rank, one plan everywhere
+    # trained by several ranks: rank 0's timings on every rank, one plan everywhere
+    return ranks.same(ranks.per_rank(result))
 
 
 def _what_is_profiled(model: nn.Module, args: tuple, kwargs: dict[str, Any], modules: Sequence[str] | None

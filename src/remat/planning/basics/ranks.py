@@ -15,6 +15,8 @@ never test for ranks or wrappers themselves; they ask this module:
 * :func:`gathered`: a block's FSDP2 parameters all-gathered once, by every rank together, for the block's timed
   runs, which then run as a recomputation does under FSDP2 (its hooks see a backward in progress and gather
   nothing), so no collective runs while a rank holds the timings file's lock;
+* :func:`gradient_buckets` / :meth:`Ranks.per_rank`: what DDP holds through every step (its gradient buckets),
+  added to the profile of the module it wraps;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward.
@@ -37,10 +39,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Ranks", "distributed", "gathered", "local", "original_class", "reshard", "sharded_units",
+__all__ = ["Ranks", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard", "sharded_units",
            "storage_resizes", "unwrapped"]
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 def distributed() -> bool:
@@ -130,6 +133,25 @@ def storage_resizes(resized: Callable[[torch.UntypedStorage], None]) -> Iterator
         torch.UntypedStorage.resize_ = original
 
 
+def gradient_buckets(model: nn.Module) -> int:
+    """Bytes of the gradient buckets DDP allocates when it wraps a model (about the gradients' bytes: each
+    gradient is copied into its bucket, all-reduced there and copied back); 0 for any other model.
+
+    They exist before any step, so a measurement that counts what a step allocates does not see them until the
+    step first writes to them (:func:`~remat.planning.basics.memory.measure_step` counts them from its start).
+
+    Example:
+        >>> gradient_buckets(DistributedDataParallel(model))
+        882176
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(size) for size in sizes.replace(",", " ").split())
+
+
 def sharded_units(module: nn.Module) -> list[nn.Module]:
     """The FSDP2 units in ``module``'s subtree, itself included, outermost first.
 
@@ -205,6 +227,32 @@ class Ranks:
 
     model: nn.Module
     together: bool
+    wrapper_bytes: int = 0
+
+    def per_rank(self, profile: P) -> P:
+        """``profile`` (a profile of :attr:`model`'s step) with what the wrapper holds through every step on this
+        rank added as fixed bytes beside the parameters: DDP's gradient buckets (:func:`gradient_buckets`).
+
+        Example:
+            >>> prof = Ranks.of(ddp_model).per_rank(prof)    # every peak + the buckets
+        """
+        if not self.wrapper_bytes:
+            return profile
+        for step in (profile, getattr(getattr(profile, "head", None), "profile", None)):
+            if step is None:
+                continue
+            step.buffer_bytes += self.wrapper_bytes
+            step.peak_bytes += self.wrapper_bytes
+            for segment in step.segments:
+                segment.peak += self.wrapper_bytes
+                segment.start += self.wrapper_bytes
+            for row in step.rows:  # the live bytes a row reads its regions' transients from
+                row.forward_start += self.wrapper_bytes
+                row.forward_peak += self.wrapper_bytes
+                row.save_peak += self.wrapper_bytes
+            step.notes.append(f"DDP's gradient buckets: {self.wrapper_bytes} bytes held through every step, counted "
+                              "beside the parameters")
+        return profile
 
     @classmethod
     def of(cls, model: nn.Module) -> Ranks:
@@ -215,7 +263,7 @@ class Ranks:
             True
         """
         wrapped = unwrapped(model) is not model or bool(sharded_units(model))
-        return cls(unwrapped(model), wrapped and distributed())
+        return cls(unwrapped(model), wrapped and distributed(), gradient_buckets(model))
 
     @property
     def chunked_head(self) -> bool:
