@@ -39,8 +39,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Ranks", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard", "sharded_units",
-           "storage_resizes", "unwrapped"]
+__all__ = ["Ranks", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard",
+           "sharded_units", "storage_resizes", "unwrapped"]
 
 T = TypeVar("T")
 P = TypeVar("P")
