@@ -21,7 +21,8 @@ never test for ranks or wrappers themselves; they ask this module:
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward.
 
-Without an initialized process group (or with one rank) every function is the identity.
+On a model with neither DDP nor FSDP2 every answer is the plain one: the model itself, its own class, this
+process alone, nothing gathered or added.
 
 Example:
     >>> Ranks.of(model).agree("remat.profile", {"inputs": {"arg 0": "8x128"}})  # a collective for a DDP model
