@@ -1,7 +1,7 @@
 """A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): remat.plan called on every rank of a GPT
 sharded by FSDP2 (per block, then the root; resharded after forward or not) and wrapped in DDP, the plan applied
 after wrapping (and, for FSDP2, before it), three SGD steps compared with the same wrapped model without a plan;
-then a rank whose batch has another shape than rank 0's.
+remat.check_plan on every rank; then a rank whose batch has another shape than rank 0's.
 
 Rank 0 writes what every rank saw (gathered) to the JSON path :func:`run` is given.
 """
@@ -86,8 +86,16 @@ def _case(wrapper: str, rank: int, budget: str) -> dict:
     plan.remove(model)
     unwrapped_names = [name for name, _ in model.named_modules() if "_checkpoint_wrapped_module" in name]
     before = _bitwise(expected, _train(_wrapped(plan.apply(_gpt()), wrapper), batches))
+    checked = remat.check_plan(lambda: _wrapped(_gpt(), wrapper), plan, tokens, loss_fn=_loss_fn(targets), steps=2,
+                               optimizer="sgd")
+    try:
+        remat.check_plan(model, plan, tokens, loss_fn=_loss_fn(targets), steps=1, optimizer="sgd")
+        copied = "checked"
+    except ValueError as error:
+        copied = str(error)
     return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
             "applied_after": _bitwise(expected, after), "applied_before": before, "left_after_remove": unwrapped_names,
+            "checked": [checked.peaks_hold, checked.grads_equal], "model_given": copied,
             "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2]}
 
 

@@ -50,6 +50,18 @@ def test_per_rank_peaks_are_predicted_at_every_step(per_rank, wrapper):
             assert abs(measured - case["predicted_peak"]) <= 0.03 * case["predicted_peak"], case
 
 
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_check_plan_holds_on_every_rank(per_rank, wrapper):
+    for rank in per_rank:
+        assert rank[wrapper]["checked"] == [True, True]
+        if wrapper == "ddp":
+            assert rank[wrapper]["model_given"] == "checked"
+        else:  # FSDP2 refuses to be deep-copied: the check builds its copies with the factory
+            assert rank[wrapper]["model_given"] == (
+                "remat.check_plan: GPT is sharded by FSDP2, which cannot be copied; pass a function that builds and "
+                "shards it instead of the model, e.g. remat.check_plan(build_model, plan, ...).")
+
+
 def test_a_rank_with_another_batch_shape_is_told_which_and_how(per_rank):
     for rank in per_rank:
         message = rank["desynchronised"]

@@ -24,8 +24,10 @@ class StepMemory:
     """Peak memory of one step, in bytes.
 
     ``peak_total`` is everything MemTracker saw at the step's peak;
-    ``peak_above_params`` leaves out parameters and buffers (activations,
-    gradients, temporaries and anything else the step allocated).
+    ``peak_above_params`` leaves out parameters, buffers and tensors made before
+    the step that it writes (``by_kind["EARLIER"]``: DDP's gradient buckets),
+    all fixed through the step (the rest: activations, gradients, temporaries
+    and anything else the step allocated).
     """
 
     peak_total: int
@@ -35,7 +37,8 @@ class StepMemory:
 
     @property
     def peak_above_params(self) -> int:
-        return self.peak_total - self.params - self.buffers
+        # what the step found made and wrote (DDP's gradient buckets) is fixed too, as a plan counts it
+        return self.peak_total - self.params - self.buffers - self.by_kind.get("EARLIER", 0)
 
 
 def measure_step(step: Callable[[], Any], *tracked: torch.nn.Module | torch.optim.Optimizer) -> StepMemory:

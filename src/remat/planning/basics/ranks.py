@@ -19,7 +19,8 @@ never test for ranks or wrappers themselves; they ask this module:
   added to the profile of the module it wraps;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
-* :func:`reshard`: a model left sharded after a profile's forwards without backward.
+* :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
+  a model with its weights, FSDP2's by its factory and state dict (a plan's check trains two).
 
 On a model with neither DDP nor FSDP2 every answer is the plain one: the model itself, its own class, this
 process alone, nothing gathered or added.
@@ -40,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Ranks", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard",
+__all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard",
            "sharded_units", "storage_resizes", "unwrapped"]
 
 T = TypeVar("T")
@@ -132,6 +133,27 @@ def storage_resizes(resized: Callable[[torch.UntypedStorage], None]) -> Iterator
         yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+def copy_of(model: nn.Module, factory: Callable[[], nn.Module] | None, who: str) -> nn.Module:
+    """A copy of ``model`` with its weights: a deep copy, or for an FSDP2 model (which refuses to be deep-copied)
+    a new one from ``factory`` loaded with ``model``'s state dict (the same shards on every rank).  Without a
+    factory an FSDP2 model is refused in one line naming ``who``.
+
+    Example:
+        >>> planned = copy_of(unplanned, build, "remat.check_plan")
+    """
+    import copy
+
+    if not sharded_units(model):
+        return copy.deepcopy(model)
+    if factory is None:
+        raise ValueError(f"{who}: {original_class(model).__name__} is sharded by FSDP2, which cannot be copied; pass "
+                         "a function that builds and shards it instead of the model, e.g. "
+                         f"{who}(build_model, plan, ...).")
+    made = factory()
+    made.load_state_dict(model.state_dict())
+    return made
 
 
 def gradient_buckets(model: nn.Module) -> int:
