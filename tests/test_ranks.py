@@ -4,6 +4,7 @@ the ranks' work tests/ranks_worker.py), and the rank and wrapper questions answe
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -109,3 +110,23 @@ def test_a_plan_checks_an_fsdp2_model_by_the_class_it_was_written_as():
     assert isinstance(model[0], remat.ActivationWrapper) and not isinstance(model[1], remat.ActivationWrapper)
     plan.remove(model)
     assert not isinstance(model[0], remat.ActivationWrapper)
+
+
+class _Marked(nn.Module):
+    """A block whose forward marks a profiler region, as FSDP2's hooks around a sharded block do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.profiler.record_function("marked"):
+            return torch.relu(self.lin(x))
+
+
+def test_a_block_that_marks_profiler_regions_is_profiled_and_timed():
+    model = nn.Sequential(_Marked(), _Marked())
+    prof = remat.profile(model, torch.randn(4, 8), loss_fn=lambda out: out.sum(), modules=["0", "1"], repeats=1)
+    graph = prof.ops.blocks["0"]
+    assert not any(node.op.startswith("profiler.") for node in graph.nodes)
+    assert graph.forward_time > 0
