@@ -6,7 +6,8 @@ Run by hand under torchrun (CPU, gloo):
     ... benchmarks/ranks.py --models gpt --wrappers fsdp2 ddp --budgets 90% 70% 50%
 
 For each model (remat's GPT, a 4-layer Hugging Face Llama of hidden size 64) and each wrapper (FSDP2 per block
-then the root, resharded after forward or kept gathered; DDP), every rank profiles the wrapped model once
+then the root, resharded after forward or kept gathered; DDP; on request FSDP2 with bfloat16 parameters, or
+with blocks resharded to a world of 1 after forward), every rank profiles the wrapped model once
 (``remat.profile``, on every rank: rank 0's profile on all), plans at each budget, applies the plan to a fresh
 wrapped model and trains 3 SGD steps, each measured with ``remat.measure_step`` (MemTracker: the model and the
 optimizer tracked).  Rank 0 prints one row per model, wrapper, budget and rank: the plan's predicted peak (whole
@@ -29,9 +30,9 @@ from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planning.basics.units import format_bytes
 
 try:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
 STEPS = 3
 
@@ -73,9 +74,14 @@ def _wrapped(build, wrapper: str, plan=None):
     if wrapper == "ddp":
         return DDP(model), batches
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    settings = {"reshard_after_forward": wrapper != "fsdp2_kept"}
+    if wrapper == "fsdp2_bf16":
+        settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # fsdp2_int: each block resharded after forward to a world of 1 (a whole copy per rank until backward)
+    per_block = {**settings, "reshard_after_forward": 1} if wrapper == "fsdp2_int" else settings
     for block in blocks:  # a planned block: its checkpoint wrapper, which the ModuleList holds now
-        fully_shard(block, mesh=mesh, reshard_after_forward=wrapper == "fsdp2")
-    return fully_shard(model, mesh=mesh, reshard_after_forward=wrapper == "fsdp2"), batches
+        fully_shard(block, mesh=mesh, **per_block)
+    return fully_shard(model, mesh=mesh, **settings), batches
 
 
 def _loss(model, args, kwargs, loss_fn):
@@ -121,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--wrappers", nargs="+", default=["fsdp2", "fsdp2_kept", "ddp"],
-                        choices=["fsdp2", "fsdp2_kept", "ddp"])
+                        choices=["fsdp2", "fsdp2_kept", "fsdp2_bf16", "fsdp2_int", "ddp"])
     parser.add_argument("--budgets", nargs="+", default=["90%", "60%", "50%"])
     options = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
