@@ -9,9 +9,10 @@ For each model (remat's GPT, a 4-layer Hugging Face Llama of hidden size 64) and
 then the root, resharded after forward or kept gathered; DDP; on request FSDP2 with bfloat16 parameters, or
 with blocks resharded to a world of 1 after forward), every rank profiles the wrapped model once
 (``remat.profile``, on every rank: rank 0's profile on all), plans at each budget, applies the plan to a fresh
-wrapped model and trains 3 SGD steps, each measured with ``remat.measure_step`` (MemTracker: the model and the
-optimizer tracked).  Rank 0 prints one row per model, wrapper, budget and rank: the plan's predicted peak (whole
-step) and each step's measured peak, and the largest relative difference.  Every rank has its own batches.
+wrapped model and trains 3 SGD steps, each measured with ``remat.measure_step`` (MemTracker: the model
+and the optimizer tracked).  Rank 0 prints one row per model, wrapper, budget and rank: the plan's predicted
+peak (whole step) and each step's measured peak, and the largest difference (relative, and in bytes).  Every
+rank has its own batches.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main() -> None:
     rank = dist.get_rank()
     if rank == 0:
         print(f"{'model':<6} {'wrapper':<11} {'budget':<6} {'rank':>4} {'blocks':>6} {'predicted':>11} "
-              f"{'measured per step':<36} {'worst':>7}")
+              f"{'measured per step':<36} {'worst':>7} {'(bytes)':>11}")
     for name in options.models:
         for wrapper in options.wrappers:
             mine = _rows(name, wrapper, options.budgets)
@@ -150,10 +151,11 @@ def main() -> None:
                         print(f"{name:<6} {wrapper:<11} {row['budget']:<6} {who:>4} refused: the smallest peak "
                               f"any plan reaches is {format_bytes(row['refused'])}")
                         continue
-                    worst = max((m - row["predicted"] for m in row["measured"]), key=abs) / row["predicted"]
+                    worst = max((m - row["predicted"] for m in row["measured"]), key=abs)
                     steps = " ".join(format_bytes(m) for m in row["measured"])
                     print(f"{name:<6} {wrapper:<11} {row['budget']:<6} {who:>4} {row.get('checkpointed', 0):>6} "
-                          f"{format_bytes(row['predicted']):>11} {steps:<36} {worst:>+7.1%}", flush=True)
+                          f"{format_bytes(row['predicted']):>11} {steps:<36} {worst / row['predicted']:>+7.1%} "
+                          f"{worst:>+9} B", flush=True)
     dist.destroy_process_group()
 
 

@@ -22,7 +22,7 @@ except ImportError:  # torch < 2.6
     from torch.distributed._composable.fsdp import fully_shard
 
 CFG = GPTConfig(vocab_size=128, seq_len=64, d_model=64, n_heads=4, n_layers=4)
-BATCH = 4  # per rank
+BATCH = 8  # per rank: activations well above one block's gathered parameters (see test_ranks)
 STEPS = 3
 
 
