@@ -65,3 +65,19 @@ def test_a_shared_block_argument_does_not_hold_gradients_in_the_measurement():
     measured = remat.measure_step(step, model).peak_above_params
     model.zero_grad(set_to_none=True)
     assert measured == profiled_peak(step)
+
+
+def test_a_tensor_made_before_the_step_and_written_in_it_counts_from_the_start():
+    """DDP's gradient buckets are made when DDP wraps the model; a step writes them only late in backward."""
+    from remat.planning.basics.memory import measure_step
+
+    before = torch.zeros(1000)  # 4000 bytes, made before the step and not tracked
+
+    def step():
+        transient = torch.ones(2000)  # 8000 bytes while the other 4000 are already held
+        del transient
+        before.add_(1)
+
+    mem = measure_step(step)
+    assert mem.peak_total == 12000
+    assert mem.by_kind["EARLIER"] == 4000

@@ -2,10 +2,12 @@
 group.
 
 Each argument is ``MODULE=REPORT``: every rank runs ``MODULE.run(REPORT)`` (tests/dist_worker.py,
-dist_chunked_worker.py, broadcast_worker.py), whose rank 0 writes the report. One launch serves them all, as
+dist_chunked_worker.py, broadcast_worker.py,
+ranks_worker.py), whose rank 0 writes the report. One launch serves them all, as
 each launch costs a process group and two interpreters that import torch.
 """
 
+import datetime
 import importlib
 import sys
 
@@ -14,7 +16,8 @@ from helpers import leave_process_group
 
 
 def main(checks: list[str]) -> None:
-    dist.init_process_group("gloo")
+    # A rank left waiting in a collective fails the run in two minutes rather than gloo's thirty.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     for check in checks:
         module, _, report = check.partition("=")
         importlib.import_module(module).run(report)

@@ -11,7 +11,6 @@ compared with the predicted extra and reported (timing is noisy: a warning, neve
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import os
@@ -28,6 +27,7 @@ from ..api.chunkedloss import chunked_tolerance
 from .basics.kvcache import cache_off_in_training
 from .basics.memory import measure_step
 from .basics.optimizers import OPTIMIZERS, make_optimizer
+from .basics.ranks import copy_of
 from .basics.units import format_bytes
 from .measure.profile import default_loss
 from .measure.timing import Clock, device_of
@@ -296,8 +296,9 @@ def check_plan(
         plan.check(model)  # before copying anything
     # A model the caller gave stays theirs, untrained; one the factory built is the unplanned copy itself.
     # remove: a model already planned is compared with its own weights.
-    unplanned = plan.remove(copy.deepcopy(model) if given else model)
-    planned = copy.deepcopy(unplanned)
+    factory = None if given else model_or_factory
+    unplanned = plan.remove(copy_of(model, factory, "remat.check_plan") if given else model)
+    planned = copy_of(unplanned, factory, "remat.check_plan")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the planned copy says it, once, when the plan is applied below
         cache_off_in_training(unplanned)  # as the profile ran it: a KV cache is no part of the prediction

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -22,6 +23,7 @@ from .basics.discovery import chain_links, resolve_blocks
 from .basics.inputs import describe_inputs
 from .basics.kvcache import cache_off
 from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
+from .basics.ranks import Ranks
 from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
@@ -182,7 +184,10 @@ def profile(
         >>> print(prof); plan = prof.plan(0.5)
     """
     check_inputs(model, example_inputs, example_kwargs, "remat.profile")
+    ranks = Ranks.of(model)
+    model = ranks.model  # DDP: the module it wraps, whose step this rank runs alone (no collective)
     refuse_checkpointed(model, "remat.profile")
+    ranks.agree("remat.profile", _what_is_profiled(model, example_inputs, example_kwargs, modules))
     if device not in (None, "meta"):
         raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     if repeats < 1:
@@ -208,8 +213,9 @@ def profile(
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
-        head = None if on_meta is not None else measure_head(model, example_inputs, kwargs, blocks,
-                                                               loss_fn is not None, measured, repeats)
+        chunkable = on_meta is None and ranks.chunked_head
+        head = None if not chunkable else measure_head(model, example_inputs, kwargs, blocks, loss_fn is not None,
+                                                       measured, repeats)
     modules = dict(blocks)
     for row in measured.rows:
         if row.writes_input and row.name in modules:  # the refusal's advice: build these with inplace=False
@@ -231,7 +237,18 @@ def profile(
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
-    return result
+    # trained by several ranks: rank 0's timings on every rank, one plan everywhere
+    return ranks.same(ranks.per_rank(result))
+
+
+def _what_is_profiled(model: nn.Module, args: tuple, kwargs: dict[str, Any], modules: Sequence[str] | None
+                      ) -> dict[str, Any]:
+    """What every rank must profile alike: the model (whole shapes: FSDP2's are its sharded parameters'),
+    the inputs' shapes and the blocks asked for."""
+    params = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    return {"the model": describe_model(model, [])["model"],
+            "parameters": f"{len(params)} tensors, {sum(math.prod(s) for _, s, _ in params)} elements",
+            "inputs": describe_inputs(args, kwargs), "the blocks asked for": modules}
 
 
 def check_inputs(model: Any, args: tuple, kwargs: dict[str, Any], who: str = "remat.profile") -> None:
@@ -396,6 +413,7 @@ def plan(
     """
     budget = parse_budget(budget)  # a mistake in it is told before the profile runs
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
+    Ranks.of(model).agree("remat.plan", {"the budget": str(budget)})
     refuse_checkpointed(model, "remat.plan")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
                    hold_output=hold_output, **example_kwargs)

@@ -24,8 +24,10 @@ class StepMemory:
     """Peak memory of one step, in bytes.
 
     ``peak_total`` is everything MemTracker saw at the step's peak;
-    ``peak_above_params`` leaves out parameters and buffers (activations,
-    gradients, temporaries and anything else the step allocated).
+    ``peak_above_params`` leaves out parameters, buffers and tensors made before
+    the step that it writes (``by_kind["EARLIER"]``: DDP's gradient buckets),
+    all fixed through the step (the rest: activations, gradients, temporaries
+    and anything else the step allocated).
     """
 
     peak_total: int
@@ -35,7 +37,8 @@ class StepMemory:
 
     @property
     def peak_above_params(self) -> int:
-        return self.peak_total - self.params - self.buffers
+        # what the step found made and wrote (DDP's gradient buckets) is fixed too, as a plan counts it
+        return self.peak_total - self.params - self.buffers - self.by_kind.get("EARLIER", 0)
 
 
 def measure_step(step: Callable[[], Any], *tracked: torch.nn.Module | torch.optim.Optimizer) -> StepMemory:
@@ -56,18 +59,90 @@ def measure_step(step: Callable[[], Any], *tracked: torch.nn.Module | torch.opti
     tracker._mod_tracker = _unhooked_mod_tracker()()
     if tracked:
         tracker.track_external(*tracked)
-    with tracker:
+    with tracker, _WrittenFromBefore(tracker, tracked) as earlier:
         step()
     snapshots = tracker.get_tracker_snapshot("peak")
     # The busiest device decides the peak (one device in every case remat measures).
     device_snapshot = max(snapshots.values(), key=lambda snap: snap["Total"])
     by_kind = {getattr(kind, "name", str(kind)): int(n) for kind, n in device_snapshot.items()}
+    if earlier.nbytes:
+        by_kind["EARLIER"] = earlier.nbytes
+        by_kind["Total"] = max(by_kind["Total"], earlier.peak_before_seen())
     return StepMemory(
         peak_total=by_kind.pop("Total"),
         params=by_kind.get("PARAM", 0),
         buffers=by_kind.get("BUFFER", 0),
         by_kind=by_kind,
     )
+
+
+class _WrittenFromBefore:
+    """Storages made before a step that the step writes without tracking them (DDP's gradient buckets): MemTracker
+    counts one from the op that first writes it; it held its bytes from the step's start.
+
+    Entered inside the tracker, its mode sees each op before the tracker does: at an op that writes a storage
+    neither made in the step nor tracked, it reads the tracker's peak so far, which lacked that storage and those
+    written later.
+    """
+
+    def __init__(self, tracker: Any, tracked: tuple) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.tracker = tracker
+        self.known = WeakIdKeyDictionary()
+        for thing in tracked:
+            tensors = [*thing.parameters(), *thing.buffers()] if isinstance(thing, torch.nn.Module) else [
+                t for state in thing.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                self.known[t.untyped_storage()] = True
+                if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+                    self.known[t.grad.untyped_storage()] = True
+        self.first_seen: list[tuple[int, int]] = []  # (the tracker's peak before, bytes) per storage, in order
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                written = [kwargs[name] for name in ("out",) if isinstance(kwargs.get(name), torch.Tensor)]
+                if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+                    written.append(args[0])
+                for t in written:
+                    outer._note(t)
+                out = func(*args, **kwargs)
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        outer.known[t.untyped_storage()] = True
+                return out
+
+        self.mode = _Mode()
+
+    def _note(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage in self.known or storage.nbytes() == 0:
+            return
+        self.known[storage] = True
+        before = max(snap["Total"] for snap in self.tracker.get_tracker_snapshot("peak").values())
+        self.first_seen.append((int(before), storage.nbytes()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.first_seen)
+
+    def peak_before_seen(self) -> int:
+        """The step's peak before the last of these storages was first written, each counted from the start."""
+        unseen, peak = self.nbytes, 0
+        for before, nbytes in self.first_seen:
+            peak = max(peak, before + unseen)
+            unseen -= nbytes
+        return peak
+
+    def __enter__(self) -> _WrittenFromBefore:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.mode.__exit__(*args)
 
 
 @functools.cache

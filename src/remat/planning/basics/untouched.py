@@ -4,7 +4,9 @@ A profile runs the model's training steps many times over (timed steps, an instr
 every block).  Each forward of a module in training mode may write its state: batch norm's running statistics
 and ``num_batches_tracked``, spectral norm's vectors, a buffer a forward replaces.  Profiling a trained model
 must not cost it its statistics, so :func:`left_as_found` puts back, after the body, every buffer the body
-wrote or replaced, every parameter's ``.grad``, and the CPU's and the model's accelerators' RNG states.
+wrote or replaced, every parameter's ``.grad``, and the CPU's and the model's accelerators' RNG states.  An
+FSDP2 model is left sharded: a forward without a backward leaves a unit that keeps its parameters gathered
+(``reshard_after_forward=False``) holding copies the next optimizer step would leave stale.
 
 Parameters need no copy: nothing in a profile steps an optimizer, and autograd refuses in-place writes to a
 parameter that requires grad.
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from ...engine.buffers import RegionBuffers
+from .ranks import reshard
 
 __all__ = ["left_as_found"]
 
@@ -52,3 +55,4 @@ def left_as_found(model: nn.Module) -> Iterator[None]:
             values.restore()
         for p, g in zip(params, grads):
             p.grad = g
+        reshard(model)

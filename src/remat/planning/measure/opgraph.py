@@ -31,8 +31,7 @@ recomputation's peak, the planner for a recomputing forward's.  ``BlockGraph.sto
 recomputation runs: remat's early stop ends it at the block's last saved tensor, and autograd saves an op's
 inputs before the op runs.
 
-Blocks with the same class, inputs and op graph share one :class:`BlockGraph`;
-only one of them is timed.
+Blocks with the same class, inputs and op graph share one :class:`BlockGraph`; only one of them is timed.
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
+from ..basics.ranks import gathered
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -292,7 +292,7 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         record = self.current
-        if record is None:
+        if record is None or func.namespace == "profiler":  # a wrapper's record_function marks (FSDP2's): no work
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
         out = func(*args, **kwargs)
@@ -523,7 +523,8 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             device = str(device_of(tensors))
-            with timings_cache() as cache:
+            # an FSDP2 block's parameters gathered by every rank before the lock: its timed runs are this rank's own
+            with gathered(_timed_modules(records, estimated)), timings_cache() as cache:
                 if overheads is None:
                     cached = cache.get("overheads", "", device)
                     overheads = Overheads(**cached) if cached else measure_overheads(device=device)
@@ -560,10 +561,9 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
         lambda signature: dataclasses.asdict(_steady_times(timed[signature][1], len(timed[signature][0].nodes),
                                                            repeats, unsteady)))
     if unsteady:
-        names = list(unsteady)
-        more = f" and {len(names) - 1} more blocks" if len(names) > 1 else ""
+        first, more = next(iter(unsteady)), (f" and {len(unsteady) - 1} more blocks" if len(unsteady) > 1 else "")
         warnings.warn(UnsteadyTimings(
-            f"remat.profile: the forward of `{names[0]}`{more} varied by up to {max(unsteady.values()):.0%} between "
+            f"remat.profile: the forward of `{first}`{more} varied by up to {max(unsteady.values()):.0%} between "
             "timed rounds (is the machine busy?); plans priced from these times may differ from run to run, and "
             "they are not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
     for signature, (graph, _) in timed.items():
@@ -576,6 +576,15 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
             graph.overheads = replace(overheads, policy_forward=timing.policy_forward,
                                       policy_replay=timing.policy_replay)
     return graphs, step_time
+
+
+def _timed_modules(records: dict[str, _BlockRecord], estimated: bool) -> list[nn.Module]:
+    """The modules :func:`_graphs` may time: the first block of each signature (none when times are estimated)."""
+    if estimated:
+        return []
+    unpriced = Overheads(0.0, 0.0, 0.0, 0.0, 0.0)  # a signature does not depend on the machinery's prices
+    first = {_graph(record, estimated, unpriced).signature: record.module for record in reversed(records.values())}
+    return list(first.values())
 
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int, unsteady: dict[str, float]) -> OpTimes:

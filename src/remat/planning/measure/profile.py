@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ...engine.replay import tensor_leaves
+from ..basics.ranks import local
 from ..basics.units import format_bytes
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
@@ -383,7 +384,7 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     # the matmul outputs save_matmuls keeps: those no later op writes in place
     kept_matmuls = [meter.outputs[i] - meter.overwritten for i in range(n)]
     for record in timeline.records:
-        if record.existing:
+        if record.existing or record in timeline.refilled:  # FSDP2 frees its gathered parameters, not autograd
             continue
         saving = sorted(j for j in record.savers if j is not None)
         if saving:
@@ -432,7 +433,7 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     params = list(model.parameters())
     return StepProfile(
         rows=rows, segments=segments, shared=shared,
-        param_bytes=sum(p.untyped_storage().nbytes() for p in params),
+        param_bytes=sum(local(p).untyped_storage().nbytes() for p in params),
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
         grad_bytes=grad_bytes, peak_bytes=max(s.peak for s in segments), device=device, step_time=step_time,
     )

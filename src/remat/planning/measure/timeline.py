@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...engine.replay import tensor_leaves
 from ...policies.rules import MATMUL_OPS
+from ..basics.ranks import local, storage_resizes
 from .opgraph import _op_info
 
 __all__ = ["Segment", "live_bytes_timeline"]
@@ -68,6 +69,7 @@ class _Timeline(TorchDispatchMode):
         self.segment_start = 0
         self.storages: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.records: list[_Storage] = []
+        self.refilled: set[_Storage] = set()  # storages a wrapper fills in place (FSDP2's gathered parameters)
         self.events = 0  # allocations and frees so far
         self.peak_events: list[int] = []  # per segment: the last event at which its peak was reached
         for t in existing:
@@ -79,7 +81,7 @@ class _Timeline(TorchDispatchMode):
 
     def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
         """The record of ``t``'s storage, created (and counted live) on first sight."""
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()  # a sharded tensor: the shard this rank holds
         found = self.storages.get(storage)
         if found is not None:
             return found
@@ -94,7 +96,20 @@ class _Timeline(TorchDispatchMode):
         weakref.finalize(storage, self._free, record)
         return record
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size in place (FSDP2's gathered parameters): the old bytes die, the new are born."""
+        record = self.storages.get(storage)
+        if record is not None and record.nbytes == storage.nbytes():
+            return
+        if record is not None:
+            self._free(record)
+            del self.storages[storage]
+        if storage.nbytes():
+            self.refilled.add(self.track(torch.empty(0, device=storage.device).set_(storage)))
+
     def _free(self, record: _Storage) -> None:
+        if record.death is not None:  # freed by a resize already: the storage's own death frees nothing more
+            return
         self.events += 1
         self.live -= record.nbytes if record.counted else 0
         record.death, record.died_event = len(self.segments), self.events
@@ -266,7 +281,7 @@ def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any]
     try:
         with ExitStack() as contexts:
             for context in (torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter,
-                            *modes):
+                            storage_resizes(timeline.resized), *modes):
                 contexts.enter_context(context)
             output = forward()
             loss = loss_fn(output)
@@ -283,7 +298,7 @@ def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any]
         probe.close_backward()
     finally:
         probe.remove()
-    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    grad_bytes = sum(local(p.grad).untyped_storage().nbytes() for p in params if p.grad is not None)
     return timeline, probe, meter, grad_bytes
 
 

@@ -33,6 +33,7 @@ from ...policies.schedule import schedule_hooks
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.inputs import unwatch, watch_first_forward
 from ..basics.kvcache import cache_off_in_training, restore_cache
+from ..basics.ranks import original_class, unwrapped
 from ..basics.units import format_bytes
 from ..basics.userline import user_stacklevel
 
@@ -127,6 +128,7 @@ class Plan:
             >>> plan.apply(model)
         """
         self.check(model)
+        given, model = model, unwrapped(model)  # DDP's module: the names and classes are those of the model itself
         _remove_drains(model, self.decisions)
         if any(decision != "keep" for decision in self.decisions.values()):
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
@@ -166,7 +168,7 @@ class Plan:
                 module = _locate(model, name)[2]
                 module._remat_schedule = schedule_hooks(module, self.copies["device"], before=drains.get(name),
                                                         after=ends.get(name))
-        return model
+        return given
 
     def _containers(self, model: nn.Module) -> dict[str, nn.Module]:
         """The modules holding the planned blocks, by name: where segments are installed."""
@@ -186,6 +188,7 @@ class Plan:
         if not isinstance(model, nn.Module):
             raise TypeError(f"remat.Plan.apply: expected the torch.nn.Module the plan was made for, got "
                             f"{type(model).__name__}; pass the model itself, e.g. plan.apply(model).")
+        model = unwrapped(model)
         problem = _mismatch(self, model) or next(filter(None, (_run_problem(model, run) for run in self.segments)), "")
         if problem:
             raise ValueError(f"remat.Plan.apply: {problem}; plan this model (remat.plan or `remat plan`), or apply "
@@ -204,6 +207,7 @@ class Plan:
         Example:
             >>> plan.remove(model)
         """
+        given, model = model, unwrapped(model)
         _remove_drains(model, self.decisions)
         for name in self.decisions:
             parent, child, current = _locate(model, name)
@@ -215,7 +219,7 @@ class Plan:
             unchunk_lm_head(model)
         restore_cache(model)
         unwatch(model)
-        return model
+        return given
 
     def save(self, path: str) -> None:
         """Write the plan as JSON keyed by module qualified names.
@@ -394,7 +398,7 @@ def describe_model(model: nn.Module, blocks: Sequence[str]) -> dict[str, Any]:
 
 
 def _class_name(module: nn.Module) -> str:
-    cls = type(_unwrapped(module))
+    cls = original_class(_unwrapped(module))
     return f"{cls.__module__}.{cls.__qualname__}"
 
 

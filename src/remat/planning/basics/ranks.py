@@ -1,0 +1,358 @@
+"""Ranks and wrappers: everything the planner asks about a model trained by several processes.
+
+Under ``torchrun`` every rank calls :func:`remat.profile` / :func:`remat.plan` on its own copy of the model,
+wrapped in DDP or sharded by FSDP2 (``fully_shard`` per block, then the root).  The stages of the planner
+never test for ranks or wrappers themselves; they ask this module:
+
+* :func:`unwrapped` / :func:`original_class`: the model as it was written (DDP's ``.module``; FSDP2's
+  ``FSDP<Name>`` classes, made when a module is sharded, read as ``<Name>``), so a plan made before wrapping
+  applies after it and the other way round;
+* :class:`Ranks`: who profiles a model: every rank together where it is trained by several (DDP, FSDP2), this
+  process alone otherwise; together, every rank describes what it profiles (model, inputs, budget) and each
+  one raises the same one-line error naming the first rank that differs from rank 0 and how, instead of
+  waiting forever in a collective the other ranks never reach, and rank 0's profile is handed to every rank,
+  so all ranks plan alike;
+* :func:`gathered`: a block's FSDP2 parameters all-gathered once, by every rank together, for the block's timed
+  runs, which then run as a recomputation does under FSDP2 (its hooks see a backward in progress and gather
+  nothing), so no collective runs while a rank holds the timings file's lock;
+* :func:`gradient_buckets` / :meth:`Ranks.per_rank`: what DDP holds through every step (its gradient buckets),
+  added to the profile of the module it wraps;
+* :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
+  and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
+* :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
+  a model with its weights, FSDP2's by its factory and state dict (a plan's check trains two).
+
+On a model with neither DDP nor FSDP2 every answer is the plain one: the model itself, its own class, this
+process alone, nothing gathered or added.
+
+Example:
+    >>> Ranks.of(model).agree("remat.profile", {"inputs": {"arg 0": "8x128"}})  # a collective for a DDP model
+    >>> with gathered([model.blocks[0]]):
+    ...     model.blocks[0](x)                                                    # no all-gather
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard",
+           "sharded_units", "storage_resizes", "unwrapped"]
+
+T = TypeVar("T")
+P = TypeVar("P")
+
+
+def distributed() -> bool:
+    """Whether this process is one of several ranks of an initialized ``torch.distributed`` group.
+
+    Example:
+        >>> distributed()
+        False
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module DDP wraps (``DistributedDataParallel.module``); any other model as it is (FSDP2 shards a
+    model in place: it is its own unwrapped model).
+
+    Example:
+        >>> unwrapped(DistributedDataParallel(model)) is model
+        True
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _fsdp_module() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed, or before FSDP2's public name
+        return None
+    return FSDPModule
+
+
+def original_class(module: nn.Module) -> type:
+    """The class ``module`` was written as: FSDP2 makes ``FSDP<Name>`` (a subclass of ``FSDPModule`` and of
+    ``<Name>``) when it shards a module; that is read as ``<Name>``.
+
+    Example:
+        >>> original_class(fully_shard(Block())) is Block
+        True
+    """
+    cls, fsdp = type(module), _fsdp_module()
+    if fsdp is None or not issubclass(cls, fsdp):
+        return cls
+    return next(base for base in cls.__mro__[1:] if not issubclass(base, fsdp))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a DTensor's local shard (FSDP2's sharded parameters and
+    gradients), any other tensor itself.  A DTensor's own storage reads as the whole tensor's bytes.
+
+    Example:
+        >>> local(model.blocks[0].attn.qkv.weight).shape     # FSDP2 on 2 ranks: half the rows
+        torch.Size([96, 32])
+    """
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+@contextlib.contextmanager
+def storage_resizes(resized: Callable[[torch.UntypedStorage], None]) -> Iterator[None]:
+    """Call ``resized(storage)`` after every ``UntypedStorage.resize_`` in the body.
+
+    FSDP2 gathers a unit's parameters into storages it keeps and frees them by resizing them to nothing
+    (and back): storages that never die, so a count of live bytes that waits for a storage to die sees every
+    unit's gathered parameters alive at once.  A resize is not an operator a dispatch mode sees.
+
+    Example:
+        >>> with storage_resizes(lambda storage: print(storage.nbytes())):
+        ...     torch.UntypedStorage(8).resize_(0)
+        0
+    """
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        resized(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+def copy_of(model: nn.Module, factory: Callable[[], nn.Module] | None, who: str) -> nn.Module:
+    """A copy of ``model`` with its weights: a deep copy, or for an FSDP2 model (which refuses to be deep-copied)
+    a new one from ``factory`` loaded with ``model``'s state dict (the same shards on every rank).  Without a
+    factory an FSDP2 model is refused in one line naming ``who``.
+
+    Example:
+        >>> planned = copy_of(unplanned, build, "remat.check_plan")
+    """
+    import copy
+
+    if not sharded_units(model):
+        return copy.deepcopy(model)
+    if factory is None:
+        raise ValueError(f"{who}: {original_class(model).__name__} is sharded by FSDP2, which cannot be copied; pass "
+                         "a function that builds and shards it instead of the model, e.g. "
+                         f"{who}(build_model, plan, ...).")
+    made = factory()
+    made.load_state_dict(model.state_dict())
+    return made
+
+
+def gradient_buckets(model: nn.Module) -> int:
+    """Bytes of the gradient buckets DDP allocates when it wraps a model (about the gradients' bytes: each
+    gradient is copied into its bucket, all-reduced there and copied back); 0 for any other model.
+
+    They exist before any step, so a measurement that counts what a step allocates does not see them until the
+    step first writes to them (:func:`~remat.planning.basics.memory.measure_step` counts them from its start).
+
+    Example:
+        >>> gradient_buckets(DistributedDataParallel(model))
+        882176
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+    sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+    return sum(int(size) for size in sizes.replace(",", " ").split())
+
+
+def sharded_units(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units in ``module``'s subtree, itself included, outermost first.
+
+    Example:
+        >>> [type(u).__name__ for u in sharded_units(model.blocks[0])]
+        ['FSDPBlock']
+    """
+    fsdp = _fsdp_module()
+    return [] if fsdp is None else [m for m in module.modules() if isinstance(m, fsdp)]
+
+
+@contextlib.contextmanager
+def gathered(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Run the body with the FSDP2 parameters of ``modules`` all-gathered and FSDP2's forward hooks inert.
+
+    The all-gather is a collective: every rank enters with the same modules, before any lock is taken.  In the
+    body a module's forward runs as FSDP2 runs a recomputation (in backward: parameters already gathered, no
+    hook gathers or frees them, inputs and outputs cast by its mixed-precision policy), on this rank alone.
+    Afterwards the parameters are sharded again.  Modules without FSDP2 units: the body runs as it is.
+
+    Example:
+        >>> with gathered([model.blocks[0]]):
+        ...     times = time_block(model.blocks[0])
+    """
+    units = [unit for module in modules for unit in sharded_units(module)]
+    if not units:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    states = [unit._get_fsdp_state() for unit in units]
+    before = [state._training_state for state in states]
+    for unit in units:
+        unit.unshard()
+    try:
+        for state in states:  # what FSDP2 reads as "a recomputation in backward": its hooks do nothing
+            state._training_state = TrainingState.PRE_BACKWARD
+        yield
+    finally:
+        for state, training_state in zip(states, before):
+            state._training_state = training_state
+        for unit in units:
+            unit.reshard()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters in ``model`` (no collective; nothing without FSDP2 units).
+
+    A profile's forwards without a backward leave a unit that keeps its parameters gathered after forward
+    (``reshard_after_forward=False``, the root) holding them; the next training step would read those copies,
+    not the ones its optimizer updates.
+
+    Example:
+        >>> reshard(model)
+    """
+    for unit in sharded_units(model):
+        unit.reshard()
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks that profile and plan one model together: every rank of the process group when the model is
+    trained by several (wrapped in DDP or sharded by FSDP2 under an initialized group), else this process alone
+    (a plain model: a job may profile it on rank 0 only and hand the plan on with :func:`remat.broadcast_plan`).
+
+    ``model`` is the model to profile: DDP's ``.module``, whose step a rank runs alone, without collectives.
+
+    Example:
+        >>> together = Ranks.of(model)
+        >>> together.agree("remat.profile", {"inputs": {"arg 0": "8x128"}})
+        >>> prof = together.same(prof)
+    """
+
+    model: nn.Module
+    together: bool
+    wrapper_bytes: int = 0
+
+    def per_rank(self, profile: P) -> P:
+        """``profile`` (a profile of :attr:`model`'s step) with what the wrapper holds through every step on this
+        rank added as fixed bytes beside the parameters: DDP's gradient buckets (:func:`gradient_buckets`).
+
+        Example:
+            >>> prof = Ranks.of(ddp_model).per_rank(prof)    # every peak + the buckets
+        """
+        if not self.wrapper_bytes:
+            return profile
+        for step in (profile, getattr(getattr(profile, "head", None), "profile", None)):
+            if step is None:
+                continue
+            step.buffer_bytes += self.wrapper_bytes
+            step.peak_bytes += self.wrapper_bytes
+            for segment in step.segments:
+                segment.peak += self.wrapper_bytes
+                segment.start += self.wrapper_bytes
+            for row in step.rows:  # the live bytes a row reads its regions' transients from
+                row.forward_start += self.wrapper_bytes
+                row.forward_peak += self.wrapper_bytes
+                row.save_peak += self.wrapper_bytes
+            step.notes.append(f"DDP's gradient buckets: {self.wrapper_bytes} bytes held through every step, counted "
+                              "beside the parameters")
+        return profile
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Ranks:
+        """Who profiles ``model``: every rank where it is trained by several, else this process.
+
+        Example:
+            >>> Ranks.of(DistributedDataParallel(model)).together
+            True
+        """
+        wrapped = unwrapped(model) is not model or bool(sharded_units(model))
+        return cls(unwrapped(model), wrapped and distributed(), gradient_buckets(model))
+
+    @property
+    def chunked_head(self) -> bool:
+        """Whether the output layer and loss may be planned in chunks: not on an FSDP2 model, whose output layer's
+        weight the chunked loss would read sharded, outside the root's forward.
+
+        Example:
+            >>> Ranks.of(model).chunked_head
+            True
+        """
+        return not sharded_units(self.model)
+
+    def agree(self, who: str, description: dict[str, Any]) -> None:
+        """Raise ValueError on every rank if any rank's ``description`` differs from rank 0's (a collective
+        when ranks work together).
+
+        ``description`` is plain data (what the rank is about to profile: the model's class and parameter
+        shapes, the inputs' shapes, the budget); the error names the first rank that differs, the first entry
+        that does and both values, in one line.
+
+        Example:
+            >>> Ranks.of(model).agree("remat.profile", {"inputs": {"arg 0": "8x128"}})
+        """
+        if not self.together:
+            return
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, description)
+        for rank, theirs in enumerate(every[1:], start=1):
+            for key in {**every[0], **theirs}:
+                ours, their = _first_difference(every[0].get(key), theirs.get(key))
+                if ours != their:
+                    raise ValueError(
+                        f"{who}: rank {rank} differs from rank 0 in {key}: {_shown(their)} there, {_shown(ours)} on "
+                        "rank 0; call it on every rank with the same model, inputs of the same shapes and the same "
+                        "budget.")
+
+    def same(self, value: T) -> T:
+        """Rank 0's ``value`` on every rank when ranks work together (a collective; picklable data), else
+        ``value``.
+
+        Example:
+            >>> prof = Ranks.of(model).same(prof)     # one profile, so one plan, on every rank
+        """
+        if not self.together:
+            return value
+        import torch.distributed as dist
+
+        payload = [value]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+
+def _first_difference(ours: Any, theirs: Any) -> tuple[Any, Any]:
+    """The first entry two descriptions' dicts differ in, as one-entry dicts; other values as they are."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in {**ours, **theirs}:
+            if ours.get(key) != theirs.get(key):
+                return {key: ours.get(key, "absent")}, {key: theirs.get(key, "absent")}
+    return ours, theirs
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    if isinstance(value, dict):
+        text = ", ".join(f"{k} {v}" for k, v in value.items())
+    else:
+        text = str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

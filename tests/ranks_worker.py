@@ -1,0 +1,119 @@
+"""A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): remat.plan called on every rank of a GPT
+sharded by FSDP2 (per block, then the root; resharded after forward or not) and wrapped in DDP, the plan applied
+after wrapping (and, for FSDP2, before it), three SGD steps compared with the same wrapped model without a plan;
+remat.check_plan on every rank; then a rank whose batch has another shape than rank 0's.
+
+Rank 0 writes what every rank saw (gathered) to the JSON path :func:`run` is given.
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import remat
+from remat.models import GPT, GPTConfig, synthetic_batch
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch < 2.6
+    from torch.distributed._composable.fsdp import fully_shard
+
+CFG = GPTConfig(vocab_size=128, seq_len=64, d_model=64, n_heads=4, n_layers=4)
+BATCH = 8  # per rank: activations well above one block's gathered parameters (see test_ranks)
+STEPS = 3
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def _wrapped(model, wrapper: str):
+    if wrapper == "ddp":
+        return DDP(model)
+    # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=wrapper == "fsdp2")
+    return fully_shard(model, mesh=mesh, reshard_after_forward=wrapper == "fsdp2")
+
+
+def _batches(rank: int, batch: int = BATCH):
+    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own data
+    return [synthetic_batch(CFG, batch, generator=generator) for _ in range(STEPS)]
+
+
+def _loss_fn(targets):
+    return lambda logits: torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _train(model, batches):
+    """Losses, this rank's gradients (local shards) and peaks (remat.measure_step) of STEPS SGD steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads, peaks = [], [], []
+    for step, (tokens, targets) in enumerate(batches):
+        torch.manual_seed(step)  # dropout draws alike in both runs
+
+        def run(tokens=tokens, targets=targets):
+            opt.zero_grad()
+            loss = _loss_fn(targets)(model(tokens))
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
+            opt.step()
+
+        peaks.append(remat.measure_step(run, model, opt).peak_total)
+    return losses, grads, peaks
+
+
+def _bitwise(expected, got) -> bool:
+    (want_losses, want_grads, _), (losses, grads, _) = expected, got
+    return all(torch.equal(a, b) for a, b in zip(want_losses, losses)) and all(
+        torch.equal(a, b) for want, have in zip(want_grads, grads) for a, b in zip(want, have))
+
+
+def _case(wrapper: str, rank: int, budget: str) -> dict:
+    batches = _batches(rank)
+    expected = _train(_wrapped(_gpt(), wrapper), batches)
+    model = _wrapped(_gpt(), wrapper)
+    tokens, targets = batches[0]
+    prof = remat.profile(model, tokens, loss_fn=_loss_fn(targets))
+    plan = prof.plan(budget)
+    after = _train(plan.apply(model), batches)
+    plan.remove(model)
+    unwrapped_names = [name for name, _ in model.named_modules() if "_checkpoint_wrapped_module" in name]
+    before = _bitwise(expected, _train(_wrapped(plan.apply(_gpt()), wrapper), batches))
+    checked = remat.check_plan(lambda: _wrapped(_gpt(), wrapper), plan, tokens, loss_fn=_loss_fn(targets), steps=2,
+                               optimizer="sgd")
+    try:
+        remat.check_plan(model, plan, tokens, loss_fn=_loss_fn(targets), steps=1, optimizer="sgd")
+        copied = "checked"
+    except ValueError as error:
+        copied = str(error)
+    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
+            "applied_after": _bitwise(expected, after), "applied_before": before, "left_after_remove": unwrapped_names,
+            "checked": [checked.peaks_hold, checked.grads_equal], "model_given": copied,
+            "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2]}
+
+
+def _desynchronised(rank: int) -> str:
+    tokens, targets = _batches(rank, batch=BATCH if rank == 0 else BATCH // 2)[0]
+    try:
+        remat.plan(_wrapped(_gpt(), "fsdp2"), tokens, loss_fn=_loss_fn(targets), budget="70%")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def run(report_path: str) -> None:
+    rank = dist.get_rank()
+    mine = {wrapper: _case(wrapper, rank, "70%") for wrapper in ("fsdp2", "fsdp2_kept", "ddp")}
+    mine["desynchronised"] = _desynchronised(rank)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(report_path, "w") as f:
+            json.dump(gathered, f)
