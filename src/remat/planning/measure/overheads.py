@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import statistics
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +76,11 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
     Example:
         >>> measure_overheads().policy_forward  # seconds per op, some microseconds
     """
-    measured, _ = _measure(rounds, ops, copy_bytes, device)
-    block = torch.ones(copy_bytes // 4, device=device)
-    return dataclasses.replace(measured, link_bytes_per_s=_link_bandwidth(block, Clock(device), rounds))
+    return _measured_now(rounds, ops, copy_bytes, device)
 
 
 def cached_overheads(cache: TimingCache, device: str, ops: int = 64, copy_bytes: int = 4 << 20) -> Overheads:
-    """The overheads ``cache`` keeps for ``device``, checked against a few quick rounds measured now; measured
+    """The overheads ``cache`` keeps for ``device``, checked against the fastest of a few quick rounds; measured
     (:func:`measure_overheads`) and kept where none are kept or where the kept ones are not this machine's now
     (one :class:`~remat.planning.measure.timecache.StaleTimings` line).
 
@@ -105,9 +104,16 @@ def cached_overheads(cache: TimingCache, device: str, ops: int = 64, copy_bytes:
             warnings.warn(StaleTimings(f"remat.profile: the cached overheads of the checkpoint machinery are not "
                                        f"this machine's now ({reason}); measuring them again."),
                           stacklevel=user_stacklevel())
-    measured = measure_overheads(device=device)
+    # measured again where stale: this process's own measurement may be the busy one
+    measured = measure_overheads(device=device) if not kept else _measured_now(15, ops, copy_bytes, device)
     cache.put("overheads", "", device, dataclasses.asdict(measured))
     return measured
+
+
+def _measured_now(rounds: int, ops: int, copy_bytes: int, device: str) -> Overheads:
+    measured, _ = _measure(rounds, ops, copy_bytes, device)
+    block = torch.ones(copy_bytes // 4, device=device)
+    return dataclasses.replace(measured, link_bytes_per_s=_link_bandwidth(block, Clock(device), rounds))
 
 
 def _moved(cached: Overheads, device: str, ops: int, copy_bytes: int) -> str:
@@ -115,7 +121,9 @@ def _moved(cached: Overheads, device: str, ops: int, copy_bytes: int) -> str:
     slack = stale_slack(0.0)
     if slack == float("inf"):  # never stale: nothing to measure
         return ""
-    now, rounds_spread = _measure(_CHECK_ROUNDS, ops, copy_bytes, device)
+    # The fastest of each step's rounds: load only slows a round, so a busy moment now leaves quiet figures be,
+    # while figures from a busy round (or another machine) stand apart.
+    now, rounds_spread = _measure(_CHECK_ROUNDS, ops, copy_bytes, device, min)
     slack = stale_slack(rounds_spread)
     floor = 1e-6  # figures below a microsecond are noise either way
     for (what, kept), (_, fresh) in zip(_figures(cached, ops, copy_bytes), _figures(now, ops, copy_bytes)):
@@ -132,8 +140,10 @@ def _figures(o: Overheads, ops: int, copy_bytes: int) -> list[tuple[str, float]]
             (f"a copy of {format_bytes(copy_bytes)}", o.copy_per_byte * copy_bytes)]
 
 
-def _measure(rounds: int, ops: int, copy_bytes: int, device: str) -> tuple[Overheads, float]:
-    """:class:`Overheads` (no link) from ``rounds`` interleaved rounds, and the largest spread of their steps."""
+def _measure(rounds: int, ops: int, copy_bytes: int, device: str,
+             statistic: Callable[[list[float]], float] = statistics.median) -> tuple[Overheads, float]:
+    """:class:`Overheads` (no link) from ``statistic`` (the median) of each step's ``rounds`` interleaved
+    rounds, and the largest spread of their steps."""
     x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
     sin = torch.ops.aten.sin.default
     # A policy whose table holds the op (so every call is counted) but keeps no call of it.
@@ -172,7 +182,7 @@ def _measure(rounds: int, ops: int, copy_bytes: int, device: str) -> tuple[Overh
             samples["recorder"].append(recorded)
             samples["replayer"].append(replayed)
     x.grad = None
-    t = {label: statistics.median(values) for label, values in samples.items()}
+    t = {label: statistic(values) for label, values in samples.items()}
     largest_spread = max(spread(values) for values in samples.values())
     # A checkpointed chain of n ops recomputes n - 1 of them: the last op's saved input is its last pack.
     extra_short = t["short_ckpt"] - t["short"]
