@@ -123,13 +123,6 @@ def test_model_without_a_head_is_refused():
         remat.chunk_lm_head(llama(), chunks=0)
 
 
-def test_logit_scaling_models_are_refused():
-    model = llama()
-    model.config.logits_scaling = 4.0  # what Granite's forward divides its logits by
-    with pytest.raises(ValueError, match="logits_scaling"):
-        remat.chunk_lm_head(model)
-
-
 def test_step_peak_falls_by_the_logits():
     """Every layer checkpointed, a Llama step's peak is mostly its head; eight chunks remove most of it.
 

@@ -323,3 +323,48 @@ def test_the_demo_figures_agree_between_readme_and_cli_md():
             f"{mode}: README.md quotes {above} ({share}), {whole}; docs/cli.md printed {line}")
     predicted = re.search(r"The plan predicted a peak of ([\d.]+ MiB)", readme)
     assert predicted and f"Predicted peak {predicted.group(1)}" in cli, "the predicted peaks differ"
+
+
+USER_DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in
+                                   ("cli", "drop-in", "integrations", "planning", "policies", "gpu"))]
+
+
+def test_user_docs_name_public_api_only():
+    """How-to docs name what ``import remat`` offers (``remat.X``, ``remat.policies.X``,
+    ``remat.integrations.transformers``, ``remat.models``), never a module path inside the package; the
+    internals are docs/design.md's and ARCHITECTURE.md's."""
+    import remat
+    import remat.policies
+
+    wrong = []
+    for doc in USER_DOCS:
+        for path in re.findall(r"\bremat\.([a-z_]+)\.([A-Za-z_][\w.]*)", doc.read_text()):
+            package, name = path
+            first = name.split(".")[0]
+            public = (package == "policies" and first in remat.policies.__all__) or package == "models" or (
+                package == "integrations" and first == "transformers")
+            if not public:
+                wrong.append(f"{doc.relative_to(ROOT)}: remat.{package}.{name}")
+        for name in re.findall(r"`remat\.([A-Za-z_]\w*)", doc.read_text()):
+            if name not in remat.__all__ and name not in ("policies", "models", "integrations"):
+                wrong.append(f"{doc.relative_to(ROOT)}: remat.{name}")
+    assert not wrong, "user docs name internals:\n" + "\n".join(wrong)
+
+
+def test_planning_offload_section_is_a_how_to():
+    """The planner's machinery (drains, stretches, offload-first plans, its dynamic program) is design.md's."""
+    text = (ROOT / "docs" / "planning.md").read_text()
+    section = text[text.index("## Offloading on a GPU"):text.index("## What was tested and measured")]
+    for word in ("drain", "stretch by stretch", "offload-first", "dynamic program"):
+        assert word not in section, word
+    assert "## Copies to host memory in a plan" in (ROOT / "docs" / "design.md").read_text()
+    assert "simulated, not measured" in (ROOT / "docs" / "design.md").read_text()
+    assert "h200_timeline" not in (ROOT / "docs" / "gpu.md").read_text()
+
+
+def test_docs_speak_of_the_project_only():
+    """What was measured and what was not, never who had which machine when."""
+    for doc in [*USER_DOCS, ROOT / "BENCHMARKS.md", ROOT / "docs" / "design.md"]:
+        text = doc.read_text().lower()
+        for phrase in ("was lent", "this session", "none was lent"):
+            assert phrase not in text, f"{doc.relative_to(ROOT)}: {phrase!r}"

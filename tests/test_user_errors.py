@@ -328,9 +328,10 @@ def test_a_ready_made_policy_is_taken_by_its_name():
 
 @pytest.mark.parametrize("policy, error, words", [
     ("save_matmul", ValueError, "no policy is named 'save_matmul'; did you mean 'save_matmuls'? the ready-made "
-                                "policies are 'save_matmuls' and 'save_nothing'"),
+                                "policies are 'save_collectives' and 'save_matmuls' and 'save_nothing'"),
     ("save_names", ValueError, "'save_names' needs the names of the tensors it applies to"),
-    (5, TypeError, "policy must be the name of a ready-made policy ('save_matmuls' or 'save_nothing')"),
+    (5, TypeError,
+     "policy must be the name of a ready-made policy ('save_collectives' or 'save_matmuls' or 'save_nothing')"),
 ])
 def test_a_policy_that_is_none_is_refused_with_the_choices(policy, error, words):
     with pytest.raises(error) as refused:
@@ -510,3 +511,15 @@ def test_a_bad_argument_is_refused_in_one_line_before_anything_runs(argv, words,
     monkeypatch.chdir(tmp_path)
     code, line = _run(argv, capsys)
     assert code == 2 and line.startswith(f"remat {argv[0]}: error: {words}")
+
+
+def test_partition_inputs_without_a_process_group_or_with_offload_is_refused_in_one_line():
+    block = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="partition_inputs needs torch.distributed's process group") as refused:
+        remat.checkpoint(block, x, partition_inputs=object())
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="offload_inputs or partition_inputs, not both"):
+        remat.checkpoint(block, x, partition_inputs=object(), offload_inputs=True)
+    with pytest.raises(ValueError, match="need use_reentrant=False"):
+        remat.checkpoint(block, x, partition_inputs=object(), use_reentrant=True)

@@ -17,6 +17,7 @@ from ..engine.reentrant import CheckpointFunction
 from ..policies import rules
 from ..policies.compiled import checkpoint_in_graph
 from ..policies.offload import offload
+from ..policies.partition import PartitionInputs
 from ..policies.selective import create_selective_checkpoint_contexts
 
 __all__ = [
@@ -99,6 +100,12 @@ def _input_offloader(offload_inputs: bool | int, args: tuple, kwargs: dict) -> o
     return offload(min_bytes=floor, device_type=inputs[0].device.type)
 
 
+def _partition(group: Any) -> PartitionInputs:
+    """The hooks that shard a region's inputs over ``group`` (a process group, a 1-D mesh, or hooks already
+    made, whose ``stats`` the caller reads)."""
+    return group if isinstance(group, PartitionInputs) else PartitionInputs(group)
+
+
 class _GlobalSwitch:
     """A global override that is set by a call and undone by leaving a ``with`` block."""
 
@@ -156,6 +163,7 @@ def checkpoint(
     early_stop: bool = True,
     policy: Any = None,
     offload_inputs: bool | int = False,
+    partition_inputs: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute them in backward.
@@ -182,6 +190,12 @@ def checkpoint(
     ``use_reentrant=True``; under ``torch.compile`` the inputs stay on the
     device.
 
+    ``partition_inputs=group`` (a process group or a 1-D ``DeviceMesh`` whose ranks all hold the region's inputs
+    in full, as tensor parallel's are) keeps each rank's ``1/world`` slice of every input of 1 MiB and more,
+    and all-gathers it whole in backward (:class:`~remat.policies.partition.PartitionInputs`).  Gradients are
+    bitwise those without it.  Not with ``offload_inputs`` or ``use_reentrant=True``; under ``torch.compile``
+    the inputs are kept whole.
+
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
         >>> x = torch.randn(4, 8, requires_grad=True)
@@ -201,8 +215,9 @@ def checkpoint(
                 f"remat: the reentrant checkpoint takes no keyword arguments for the function "
                 f"(got {', '.join(kwargs)}); pass use_reentrant=False or bind them with functools.partial."
             )
-        if context_fn is not noop_context_fn or debug or offload_inputs is not False:
-            raise ValueError("remat: context_fn, policy, debug and offload_inputs need use_reentrant=False.")
+        if context_fn is not noop_context_fn or debug or offload_inputs is not False or partition_inputs is not None:
+            raise ValueError("remat: context_fn, policy, debug, offload_inputs and partition_inputs need "
+                             "use_reentrant=False.")
     metadata_fn = metadata_fn_for(determinism_check)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and
@@ -210,7 +225,11 @@ def checkpoint(
         return checkpoint_in_graph(function, args, kwargs, None if context_fn is noop_context_fn else context_fn)
     if use_reentrant:
         return CheckpointFunction.apply(function, preserve_rng_state, *args)
-    offloader = _input_offloader(offload_inputs, args, kwargs)
+    if partition_inputs is not None and offload_inputs is not False:
+        raise ValueError("remat.checkpoint: pass offload_inputs or partition_inputs, not both: an input is either "
+                         "moved to host memory or kept as a shard.")
+    offloader = _input_offloader(offload_inputs, args, kwargs) if partition_inputs is None else (
+        _partition(partition_inputs))
     # The region saves its inputs before its own hooks take over: the offloader's hooks see those saves only.
     with offloader if offloader is not None else contextlib.nullcontext():
         result = run_nonreentrant(
@@ -223,7 +242,7 @@ def checkpoint(
             debug=set_checkpoint_debug_enabled.resolve(debug),
             early_stop=set_checkpoint_early_stop.resolve(early_stop),
         )
-    if offloader is not None:
+    if isinstance(offloader, offload):
         # Its fetch in backward brings back as many tensors as it sent (the region saved just before is run
         # alike): the previous region's inputs, one region ahead.  Inputs an earlier region sent already (a
         # mask every layer takes) travel once and are not counted.

@@ -8,27 +8,54 @@ soft-capping run on zero tokens), takes the last hidden state from the base mode
 output's ``logits`` is then ``None``: the whole logits are never made.  Without labels, or in eval mode, the
 model's forward runs unchanged.
 
+A model's loss is the chunked one only if its forward computes it from the output layer applied to the last
+hidden state and nothing else: a logit multiplier, a dense layer before the output embedding or a router's
+auxiliary loss make it another.  No list of model names keeps up with transformers, so the model proves it: a
+*probe* runs its own forward and the chunked one on one row of at most 16 tokens of the call, under
+``no_grad``, from the same random state, and compares the losses.  It runs when the head is installed (on a
+made-up batch) and again on the first training call of each *call signature* (the argument names, the flags
+and other plain values passed, the config, the output layer's hooks); a call whose loss differs is refused
+before anything is computed.  The probe leaves the random number generators and the model's buffers as it
+found them, and runs through the model's own ``__call__``, so wrappers' hooks (FSDP2's gathers) run as in
+training.
+
 Only the Hugging Face conventions are used (``get_output_embeddings``, ``base_model``, ``logits_to_keep``), no
 import of transformers, so that plans (``remat.planning``) can install it too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import inspect
+import math
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..engine.buffers import RegionBuffers
 from .chunkedloss import chunked_lm_loss
 
 __all__ = ["chunk_lm_head", "lm_head_chunks", "lm_head_refusal", "unchunk_lm_head"]
 
 _CHUNKS = "_remat_lm_head_chunks"
-# Config fields of causal LMs whose forward changes the logits in ways the chunked loss does not repeat.
-_UNSUPPORTED = {"logit_scale": "Cohere's logit_scale", "logits_scaling": "Granite's logits_scaling"}
+_PROVEN = "_remat_lm_head_proven"  # the call signatures whose loss the probe showed to be the chunked one
+_PROBING = "_remat_lm_head_probing"  # set while a probe runs through the model's own __call__
+_PROBE_TOKENS = 16
+# Relative difference allowed between the model's loss and the chunked one on the probe: a few float32 ulps
+# (kernels on other shapes may round differently on accelerators); a changed loss differs by far more.
+_PROBE_TOLERANCE = 1e-6
+# Tensor arguments whose layout the probe knows, so it can cut them to its first tokens: (batch, tokens, ...)
+# for all of them but cache_position (tokens,).
+_SEQUENCE_ARGUMENTS = {"input_ids", "labels", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds",
+                       "shift_labels", "cache_position"}
+
+
+class _Refused(ValueError):
+    """A call whose loss is not the chunked one (raised by the probe, one line)."""
 
 
 def chunk_lm_head(model: nn.Module, chunks: int = 8) -> nn.Module:
@@ -36,7 +63,8 @@ def chunk_lm_head(model: nn.Module, chunks: int = 8) -> nn.Module:
 
     In training mode with ``labels``, the output's ``loss`` is :func:`remat.chunked_lm_loss` of the last hidden
     state and ``logits`` is ``None``; otherwise the model's own forward runs.  With ``chunks=1`` the loss and
-    gradients are bitwise the model's own.  Calling it again changes the chunk count;
+    gradients are bitwise the model's own.  A model (or a call's arguments) whose own loss is not the chunked
+    one is refused in one line, the model left as it was.  Calling it again changes the chunk count;
     :func:`unchunk_lm_head` undoes it.
 
     Example:
@@ -64,6 +92,8 @@ def unchunk_lm_head(model: nn.Module) -> nn.Module:
     if hasattr(model, _CHUNKS):
         delattr(model, _CHUNKS)
         del model.forward
+    if hasattr(model, _PROVEN):
+        delattr(model, _PROVEN)
     return model
 
 
@@ -77,8 +107,12 @@ def lm_head_chunks(model: nn.Module) -> int | None:
     return getattr(model, _CHUNKS, None)
 
 
-def lm_head_refusal(model: nn.Module) -> str:
+def lm_head_refusal(model: nn.Module, *args: Any, **kwargs: Any) -> str:
     """Why :func:`chunk_lm_head` refuses ``model``, in one line naming the fix ('' if it accepts it).
+
+    Beyond the model's structure, this runs the probe (see the module's notes): the model's own loss and the
+    chunked one on one row of at most 16 tokens of the call ``model(*args, **kwargs)`` (a made-up batch when
+    no call is given), under ``no_grad``, the random state and buffers left as they were.
 
     Example:
         >>> lm_head_refusal(torch.nn.Linear(4, 4))[:40]
@@ -93,31 +127,69 @@ def lm_head_refusal(model: nn.Module) -> str:
     if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
         return (f"chunk_lm_head: {name}.forward takes no logits_to_keep (transformers 4.50 on, most causal LMs), "
                 "so its logits cannot be skipped; use remat.chunked_lm_loss on the base model's last hidden state.")
-    config = getattr(model, "config", None)
-    for field, what in _UNSUPPORTED.items():
-        if getattr(config, field, None) not in (None, 1, 1.0):
-            return (f"chunk_lm_head: {name} scales its logits ({what}), which the chunked loss does not repeat; "
-                    "train it without chunk_lm_head.")
-    if getattr(config, "output_router_logits", False):
-        return (f"chunk_lm_head: {name} adds a router loss to its output's loss; set "
-                "config.output_router_logits = False or train it without chunk_lm_head.")
+    if head.weight.is_meta:  # nothing to compute with: the first training call probes
+        return ""
+    if not args and not kwargs:
+        ids = (torch.arange(_PROBE_TOKENS, device=head.weight.device) % head.out_features)[None]
+        kwargs = {"input_ids": ids, "labels": ids}
+    return _probe_through_call(model, args, kwargs)
+
+
+def _probe_through_call(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Run the probe on the call ``model(*args, **kwargs)`` through the model's own ``__call__`` (its wrappers'
+    hooks included), in training mode; the refusal or ''."""
+    chunked = hasattr(model, _CHUNKS)
+    if not chunked:
+        setattr(model, _CHUNKS, 1)
+        model.forward = types.MethodType(_chunked_forward, model)
+    setattr(model, _PROBING, True)
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        model.train()
+        model(*args, **kwargs)
+    except _Refused as refusal:
+        return str(refusal)
+    finally:
+        for module, training in modes:
+            module.training = training
+        delattr(model, _PROBING)
+        if not chunked:
+            unchunk_lm_head(model)
     return ""
 
 
 def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
-    bound = inspect.signature(forward).bind(self, *args, **kwargs)
+    signature = inspect.signature(forward)
+    bound = signature.bind(self, *args, **kwargs)
     labels = bound.arguments.get("labels")
     if labels is None or not self.training:
         return forward(*bound.args, **bound.kwargs)
-    bound.arguments["labels"] = None
-    extra = bound.arguments.get(next(
-        (p.name for p in inspect.signature(forward).parameters.values() if p.kind is p.VAR_KEYWORD), ""), {})
+    probing = getattr(self, _PROBING, False)
+    if probing or not torch.compiler.is_compiling() and not labels.is_meta:
+        key = _call_key(self, bound)
+        proven = self.__dict__.setdefault(_PROVEN, set())
+        if probing or key not in proven:
+            refusal = _probe(self, bound)
+            if refusal:
+                raise _Refused(refusal)
+            proven.add(key)
+    if probing:
+        return None
+    return _chunked_loss_output(self, bound, getattr(self, _CHUNKS))
+
+
+def _chunked_loss_output(self: nn.Module, bound: inspect.BoundArguments, chunks: int) -> Any:
+    """The model's output with the loss computed over ``chunks`` token chunks and no logits."""
+    forward = type(self).forward
+    labels = bound.arguments["labels"]
+    extra = _arguments(bound)
+    bound = _rebound(bound, labels=None,
+                     logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device))
     hidden: list[torch.Tensor] = []
     # The base model's first output is the last hidden state (final norm included): what the head is given.
     hook = self.base_model.register_forward_hook(lambda module, inputs, output: hidden.append(output[0]))
     try:
-        bound.arguments["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=labels.device)
         output = forward(*bound.args, **bound.kwargs)
     finally:
         hook.remove()
@@ -127,8 +199,145 @@ def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     head = self.get_output_embeddings()
     shifted = extra.get("shift_labels")
     loss = chunked_lm_loss(
-        hidden[-1], head.weight, labels if shifted is None else shifted, head.bias, chunks=getattr(self, _CHUNKS),
+        hidden[-1], head.weight, labels if shifted is None else shifted, head.bias, chunks=chunks,
         ignore_index=extra.get("ignore_index", -100), num_items_in_batch=extra.get("num_items_in_batch"),
         softcap=getattr(self.config, "final_logit_softcapping", None), shift=shifted is None,
     )
     return type(output)(**{**{k: v for k, v in output.items() if k != "logits"}, "loss": loss})
+
+
+def _probe(self: nn.Module, bound: inspect.BoundArguments) -> str:
+    """The model's own loss and the chunked one (one chunk) on a small cut of the call, from the same random
+    state; a one-line refusal where they differ, else ''."""
+    small = _probe_call(bound)
+    forward = type(self).forward
+    with torch.no_grad(), _state_kept(self):
+        state = _rng_states(self)
+        own = forward(*small.args, **small.kwargs)
+        _set_rng_states(state)
+        chunked = _chunked_loss_output(self, small, 1)
+    own_loss = own.get("loss") if isinstance(own, Mapping) else None
+    if not isinstance(own_loss, torch.Tensor):
+        return (f"chunk_lm_head: {type(self).__name__} returned no loss for labels; train it without "
+                "chunk_lm_head.")
+    a, b = float(own_loss), float(chunked["loss"])
+    if a == b or (math.isnan(a) and math.isnan(b)) or abs(a - b) <= _PROBE_TOLERANCE * max(abs(a), 1.0):
+        return ""
+    passed = _plain_arguments(bound)
+    called = f" when called with {', '.join(passed)}" if passed else ""
+    return (f"chunk_lm_head: {type(self).__name__}'s own loss{called} is not the output layer's cross-entropy "
+            f"on the last hidden state (a probe: {a:.6g}, chunked {b:.6g}), so chunking would change it; train "
+            f"it without chunk_lm_head{' or call it without those arguments' if passed else ''}.")
+
+
+def _probe_call(bound: inspect.BoundArguments) -> inspect.BoundArguments:
+    """The call cut to one row and, where every tensor argument's layout is known, its first 16 tokens; the
+    labels are the row's tokens (the probe compares formulas, so every position should count)."""
+    arguments = _arguments(bound)
+    labels = arguments["labels"]
+    if labels.dim() != 2:  # an unbatched call: probed whole
+        return bound
+    rows, tokens = labels.shape
+    tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    mask = tensors.get("attention_mask")
+    known = set(tensors) <= _SEQUENCE_ARGUMENTS and (mask is None or mask.dim() == 2)
+    cut = min(tokens, _PROBE_TOKENS) if known else tokens
+    small: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if name == "cache_position":
+            small[name] = value[:cut]
+            continue
+        if value.dim() >= 1 and value.shape[0] == rows:
+            value = value[:1]
+        if value.dim() >= 2 and value.shape[1] == tokens:
+            value = value[:, :cut]
+        small[name] = value
+    ids = small.get("input_ids")
+    shape = small["labels"].shape
+    if isinstance(ids, torch.Tensor) and ids.shape == shape:
+        targets = ids
+    else:
+        vocab = bound.arguments["self"].get_output_embeddings().out_features
+        targets = torch.arange(math.prod(shape), device=labels.device).reshape(shape) % vocab
+    small["labels"] = targets
+    if "shift_labels" in small:
+        small["shift_labels"] = nn.functional.pad(targets, (0, 1), value=-100)[..., 1:].contiguous()
+    return _rebound(bound, **small)
+
+
+def _call_key(model: nn.Module, bound: inspect.BoundArguments) -> tuple:
+    """What decides whether a call's loss is the chunked one: the arguments' names, their plain values (flags,
+    strings), the tensors' ranks, the config and the output layer's hooks."""
+    head = model.get_output_embeddings()
+    return (
+        tuple(sorted((name, _value_key(value)) for name, value in _arguments(bound).items())),
+        id(head), tuple(head._forward_hooks), tuple(head._forward_pre_hooks),
+        repr(sorted(vars(getattr(model, "config", object())).items())),
+    )
+
+
+def _value_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dim())
+    if value is None or isinstance(value, bool | str | enum.Enum):
+        return value
+    return type(value).__name__  # numbers (num_items_in_batch changes every step) and objects by kind
+
+
+def _plain_arguments(bound: inspect.BoundArguments) -> list[str]:
+    """The call's flags and strings other than the defaults, as ``name=value`` (what a refusal names)."""
+    parameters = bound.signature.parameters
+    return [f"{name}={value!r}" for name, value in _arguments(bound).items()
+            if isinstance(value, bool | str) and (name not in parameters or value != parameters[name].default)]
+
+
+def _arguments(bound: inspect.BoundArguments) -> dict[str, Any]:
+    """The call's arguments by name, those the forward's ``**kwargs`` gathered included (``self`` left out)."""
+    var = _var_keyword(bound)
+    named = {k: v for k, v in bound.arguments.items() if k not in ("self", var)}
+    return {**named, **(bound.arguments.get(var, {}) if var else {})}
+
+
+def _var_keyword(bound: inspect.BoundArguments) -> str | None:
+    return next((p.name for p in bound.signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+
+def _rebound(bound: inspect.BoundArguments, **values: Any) -> inspect.BoundArguments:
+    """A copy of ``bound`` with ``values`` set (in the forward's ``**kwargs`` where it has no such parameter)."""
+    arguments = dict(bound.arguments)
+    var = _var_keyword(bound)
+    extra = dict(arguments.get(var, {})) if var else {}
+    for name, value in values.items():
+        if name in bound.signature.parameters:
+            arguments[name] = value
+        else:
+            extra[name] = value
+    if var:
+        arguments[var] = extra
+    return inspect.BoundArguments(bound.signature, arguments)
+
+
+def _rng_states(model: nn.Module) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    devices = sorted({p.get_device() for p in model.parameters() if p.device.type == "cuda"})
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> None:
+    cpu, accelerators = states
+    torch.set_rng_state(cpu)
+    for device, state in accelerators:
+        torch.cuda.set_rng_state(state, device)
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Run the body, then put back the random number generators and the buffers it wrote (a probe is no step)."""
+    states = _rng_states(model)
+    buffers = RegionBuffers.before_forward(model)
+    try:
+        yield
+    finally:
+        _set_rng_states(states)
+        if buffers is not None:
+            buffers.after_forward()
+            buffers.restore()

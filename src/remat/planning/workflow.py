@@ -223,7 +223,7 @@ def profile(
         result.ops = None
         if head is not None:
             head.profile.ops = None
-    if on_meta is not None and head_applies(model, kwargs, loss_fn is not None):
+    if on_meta is not None and head_applies(model, example_inputs, kwargs, loss_fn is not None):
         result.notes.append(NOT_ON_META)
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "

@@ -34,8 +34,10 @@ __all__ = [
     "MATMUL_OPS",
     "Policy",
     "combine",
+    "is_collective",
     "offload_names",
     "save_all_but_names",
+    "save_collectives",
     "save_matmuls",
     "save_names",
     "save_nothing",
@@ -159,13 +161,42 @@ MATMUL_OPS = frozenset(
     )
 )
 
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd"})
+
+
+def is_collective(op: Any) -> bool:
+    """Whether ``op`` (an operator, or its name as ``"_c10d_functional.all_reduce.default"``) is a functional
+    collective or its wait (what tensor parallel's DTensor redistributions run).
+
+    Rerunning one in recomputation sends the bytes over the wire again, and every rank must then rerun it in the
+    same order; keeping its output costs only its bytes.
+
+    Example:
+        >>> is_collective(torch.ops._c10d_functional.all_reduce.default), is_collective(torch.ops.aten.mm.default)
+        (True, False)
+    """
+    namespace, name = (op.split(".")[0], op.split(".")[1]) if isinstance(op, str) else (
+        getattr(op, "namespace", None), getattr(op, "__name__", "_"))
+    return namespace in _COLLECTIVE_NAMESPACES and not name.startswith("_")
+
+
 save_nothing = Policy(name="save_nothing")
 save_nothing.__doc__ = "Recompute everything: the same as plain checkpointing."
 
+save_collectives = Policy(
+    op_rule=lambda op: CheckpointPolicy.PREFER_SAVE if is_collective(op) else None,
+    name="save_collectives",
+)
+save_collectives.__doc__ = """Keep what crossed the wire: the outputs of collectives (:func:`is_collective`), so a
+checkpointed block's backward issues no more collectives than without checkpointing.  Combine it with other rules:
+``save_collectives | save_names("attn_out")``; :data:`save_matmuls` already includes it."""
+
 save_matmuls = Policy(
-    op_rule=lambda op: CheckpointPolicy.PREFER_SAVE if op in MATMUL_OPS else None,
+    op_rule=lambda op: CheckpointPolicy.PREFER_SAVE if op in MATMUL_OPS or is_collective(op) else None,
     name="save_matmuls",
 )
+save_matmuls.__doc__ = """Keep the outputs of matmul-like ops (:data:`MATMUL_OPS`) and of collectives
+(:data:`save_collectives`); recompute the cheap rest."""
 
 
 def _by_name(label: str, decision: CheckpointPolicy, names: tuple[str, ...]) -> Policy:

@@ -31,7 +31,8 @@ and the replay's.
 Near-ties between outputs of equal size are made exact (:data:`TIE`), so that which of them a plan keeps
 does not follow timing noise from one process to the next.
 
-``save_matmuls`` is the selective point that keeps every matmul-like output (:data:`MATMUL_OPS`).
+``save_matmuls`` is the selective point that keeps every matmul-like output (:data:`MATMUL_OPS`) and every
+collective's.
 
 Bytes come from the same graph: :func:`recompute_peak` is what a recomputation holds above its start, and
 :func:`forward_spared` how much lower than a plain forward a recomputing one peaks (autograd keeps nothing there
@@ -46,13 +47,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from ...policies.rules import MATMUL_OPS
+from ...policies.rules import MATMUL_OPS, is_collective
 from .opgraph import BlockGraph
 from .timing import op_cost
 
 __all__ = ["BlockPrices", "forward_spared", "matmuls", "recompute_peak"]
 
 _MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
+
+
+def _saved_by_save_matmuls(op: str) -> bool:
+    return op in _MATMUL_NAMES or is_collective(op)
 
 
 class BlockPrices:
@@ -104,7 +109,7 @@ class BlockPrices:
             for i in graph.keepable:
                 host = nodes[i].host_time + overheads.policy_replay
                 gain[i] = op_cost(host, nodes[i].kernel_time, overlapped) - host - copy * graph.copied_bytes(i)
-        self.matmul_time = sum(n.kernel_time for n in nodes if n.op in _MATMUL_NAMES)
+        self.matmul_time = sum(n.kernel_time for n in nodes if _saved_by_save_matmuls(n.op))
         self.gain = _tied(gain, {i: nodes[i].out_bytes for i in gain})
 
     def time(self, mode: str, kept: Iterable[int] = ()) -> float:
@@ -121,8 +126,8 @@ class BlockPrices:
         return max(self.device_time - gain, self.host_floor) + self.forward_extra
 
     def matmul_nodes(self) -> tuple[int, ...]:
-        """The keepable nodes ``save_matmuls`` keeps: the outputs of matmul-like ops."""
-        return tuple(i for i in self.graph.keepable if self.graph.nodes[i].op in _MATMUL_NAMES)
+        """The keepable nodes ``save_matmuls`` keeps: the outputs of matmul-like ops and collectives."""
+        return tuple(i for i in self.graph.keepable if _saved_by_save_matmuls(self.graph.nodes[i].op))
 
 
 TIE = 0.25
@@ -199,13 +204,13 @@ def forward_spared(graph: BlockGraph, kept: Collection[int] = frozenset()) -> in
 
 
 def matmuls(graph: BlockGraph) -> set[int]:
-    """The nodes whose outputs the ``save_matmuls`` rule keeps in forward: every matmul-like op's.
+    """The nodes whose outputs the ``save_matmuls`` rule keeps in forward: every matmul-like op's and collective's.
 
     Example:
         >>> forward_spared(graph, matmuls(graph)) <= forward_spared(graph)
         True
     """
-    return {node.index for node in graph.nodes if node.op in _MATMUL_NAMES}
+    return {node.index for node in graph.nodes if _saved_by_save_matmuls(node.op)}
 
 
 def _running_peak(delta: list[int]) -> int:

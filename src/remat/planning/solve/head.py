@@ -67,17 +67,18 @@ def head_chunk_count(tokens: int, features: int) -> int:
     return max(1, min(tokens, -(-3 * tokens // (2 * features))))
 
 
-def head_applies(model: nn.Module, example_kwargs: dict, custom_loss: bool) -> bool:
-    """Whether a profile of ``model(**example_kwargs)`` has the chunked-head option: a Hugging Face causal LM
-    (:func:`remat.chunk_lm_head` accepts it) in training mode, called with ``labels`` and profiled with its own
-    loss (``custom_loss`` False), not already chunked.
+def head_applies(model: nn.Module, example_inputs: tuple, example_kwargs: dict, custom_loss: bool) -> bool:
+    """Whether a profile of ``model(*example_inputs, **example_kwargs)`` has the chunked-head option: a Hugging
+    Face causal LM in training mode, called with ``labels`` and profiled with its own loss (``custom_loss``
+    False), not already chunked, whose loss on that call :func:`remat.chunk_lm_head` shows to be the chunked one
+    (on the meta device, its structure only).
 
     Example:
-        >>> head_applies(model, {"input_ids": ids, "labels": ids}, custom_loss=False)
+        >>> head_applies(model, (), {"input_ids": ids, "labels": ids}, custom_loss=False)
         True
     """
     return (not custom_loss and example_kwargs.get("labels") is not None and model.training
-            and lm_head_chunks(model) is None and not lm_head_refusal(model))
+            and lm_head_chunks(model) is None and not lm_head_refusal(model, *example_inputs, **example_kwargs))
 
 
 def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, blocks: list[tuple[str, nn.Module]],
@@ -87,7 +88,7 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
     Example:
         >>> option = measure_head(model, (), {"input_ids": ids, "labels": ids}, blocks, False, prof, 5)
     """
-    if not head_applies(model, example_kwargs, custom_loss):
+    if not head_applies(model, example_inputs, example_kwargs, custom_loss):
         return None
     labels = example_kwargs["labels"]
     head = model.get_output_embeddings()

@@ -126,12 +126,12 @@ class Plan:
         _remove_drains(model, self.decisions)
         if any(decision != "keep" for decision in self.decisions.values()):
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
-        if self.meta.get("inputs"):
-            watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
-        if self.head_chunks:
+        if self.head_chunks:  # first: its probe runs a forward that is not the user's first
             chunk_lm_head(model, self.head_chunks)
         elif lm_head_chunks(model) is not None:
             unchunk_lm_head(model)
+        if self.meta.get("inputs"):
+            watch_first_forward(model, self.meta["inputs"])  # the predictions hold at the profiled shapes only
         in_segments = {name for run in self.segments for name in run}
         for name, decision in self.decisions.items():
             parent, child, current = _locate(model, name)

@@ -1,0 +1,148 @@
+"""chunk_lm_head accepts a model only where its own loss is the chunked one, shown by a probe.
+
+Causal LMs whose forward computes the loss from more than the output layer applied to the last hidden state
+(a logit multiplier or divisor, a dense layer and a norm before the output embedding, a router's auxiliary
+loss) are refused in one line, at ``chunk_lm_head`` when their config decides it and at the first call whose
+arguments do; the probe changes nothing a training loop sees (random state, buffers, gradients).
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers import assert_bitwise
+
+import remat
+
+transformers = pytest.importorskip("transformers")
+from remat.integrations.transformers import enable  # noqa: E402
+
+VOCAB = 256
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB)
+
+
+def mixtral(**extra):
+    cfg = transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, **extra)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def falcon_h1():  # multiplies its logits by lm_head_multiplier
+    cfg = transformers.FalconH1Config(**SMALL, lm_head_multiplier=0.5, mamba_d_ssm=32, mamba_n_heads=4,
+                                      mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=8)
+    return transformers.FalconH1ForCausalLM(cfg)
+
+
+def modernbert_decoder():  # logits = decoder(lm_head(h)): a dense layer and a norm before the output embedding
+    cfg = transformers.ModernBertDecoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, vocab_size=VOCAB, pad_token_id=0,
+                                               bos_token_id=1, eos_token_id=2, sep_token_id=3, cls_token_id=1)
+    return transformers.ModernBertDecoderForCausalLM(cfg)
+
+
+def granite(scaling=4.0):  # divides its logits by logits_scaling
+    return transformers.GraniteForCausalLM(transformers.GraniteConfig(**SMALL, logits_scaling=scaling))
+
+
+def cohere():  # multiplies its logits by logit_scale
+    return transformers.CohereForCausalLM(transformers.CohereConfig(**SMALL, logit_scale=0.5))
+
+
+def batch(rows=2, tokens=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (rows, tokens), generator=gen)
+
+
+def own_loss(model, **kwargs):
+    ids = batch()
+    torch.manual_seed(1)
+    return model(input_ids=ids, labels=ids, **kwargs).loss
+
+
+@pytest.mark.parametrize("build", [falcon_h1, modernbert_decoder, granite, cohere, lambda: mixtral(
+    output_router_logits=True)], ids=["falcon_h1", "modernbert_decoder", "granite", "cohere", "mixtral_config"])
+def test_models_whose_loss_is_not_the_chunked_one_are_refused_and_left_as_they_were(build):
+    torch.manual_seed(0)
+    model = build().train()
+    before = own_loss(model)
+    forward = model.forward
+    with pytest.raises(ValueError, match="own loss .*is not the output layer's cross-entropy") as refused:
+        remat.chunk_lm_head(model, chunks=1)
+    assert "\n" not in str(refused.value) and "without chunk_lm_head" in str(refused.value)
+    assert remat.lm_head_chunks(model) is None and model.forward == forward and "forward" not in vars(model)
+    assert torch.equal(own_loss(model), before)
+    with pytest.raises(ValueError, match="is not the output layer's cross-entropy"):
+        enable(model, chunked_loss=2)
+    assert remat.lm_head_chunks(model) is None
+
+
+def test_a_call_argument_that_adds_a_router_loss_is_refused_at_call_time():
+    """Mixtral's config leaves the router loss off, so the head is accepted; a call that turns it on is refused
+    before computing anything, naming the argument; calls without it stay bitwise the model's own."""
+    torch.manual_seed(0)
+    base = mixtral().train()
+    model = remat.chunk_lm_head(copy.deepcopy(base), chunks=1)
+    ids = batch()
+    with pytest.raises(ValueError, match="when called with output_router_logits=True") as refused:
+        model(input_ids=ids, labels=ids, output_router_logits=True)
+    assert "\n" not in str(refused.value)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(own_loss(model), own_loss(base))
+    assert torch.equal(own_loss(model, output_router_logits=False), own_loss(base))
+
+
+def test_a_changed_config_or_a_hook_on_the_output_layer_is_probed_again():
+    """What a call computes may change between calls: the config's logit divisor, a hook on the output layer
+    (the chunked loss never calls the layer). Each change is a new call signature, probed on its first call."""
+    torch.manual_seed(0)
+    model = remat.chunk_lm_head(granite(scaling=1.0).train(), chunks=2)
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.config.logits_scaling = 4.0
+    with pytest.raises(ValueError, match="GraniteForCausalLM's own loss"):
+        model(input_ids=ids, labels=ids)
+    model.config.logits_scaling = 1.0
+    model(input_ids=ids, labels=ids)
+    handle = model.lm_head.register_forward_hook(lambda module, inputs, output: output * 2)
+    with pytest.raises(ValueError, match="own loss"):
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+    model(input_ids=ids, labels=ids)
+
+
+def test_probes_leave_a_training_loop_bitwise_the_model_own():
+    """GPT-2 with dropout, called with an attention mask (a signature the install probe did not see, probed on
+    the first step): every step's loss and gradients are bitwise the unchunked model's."""
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).train()
+
+    def train(model):
+        torch.manual_seed(3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for step in range(3):
+            ids = batch(seed=step)
+            mask = torch.ones_like(ids)
+            mask[0, :3] = 0
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            out.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+        return out
+
+    expected = train(copy.deepcopy(base))
+    for step_a, step_b in zip(expected, train(remat.chunk_lm_head(copy.deepcopy(base), chunks=1))):
+        assert_bitwise(step_a, step_b)
+
+
+def test_planner_leaves_out_the_chunked_head_where_the_call_changes_the_loss():
+    torch.manual_seed(0)
+    model = mixtral().train()
+    ids = batch()
+    prof = remat.profile(model, input_ids=ids, labels=ids, output_router_logits=True)
+    assert prof.head is None
+    prof = remat.profile(model, input_ids=ids, labels=ids)
+    assert prof.head is not None
