@@ -31,6 +31,7 @@ from .solver import cheapest, plan_from_profile, plan_of
 __all__ = ["distinct_plans", "plan_for", "plans_near"]
 
 _Placed = list[tuple[int, BlockOption]]
+_SEARCHED = 16  # placements searched per plan asked for at most: alike blocks' orders must not run on
 
 
 def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int = 5,
@@ -48,9 +49,9 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
     best = cheapest(prof, first.budget, options)
     assert best is not None  # plan_from_profile found it
     found: dict[tuple, _Placed] = {_key(best): best}
-    kinds = {_kind(best)}  # the same choices placed otherwise among alike blocks are searched from once
+    kinds = {_kind(best)}  # the same choices placed otherwise among alike blocks: one plan to a user
     frontier = [best]
-    while frontier and len(kinds) < count:
+    while frontier and len(kinds) < count and len(found) < _SEARCHED * count:
         runners_up = []
         for placed in frontier:
             for p, option in placed:
@@ -61,9 +62,8 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
                 other = cheapest(prof, first.budget, without)
                 if other is not None and _key(other) not in found:
                     found[_key(other)] = other
-                    if _kind(other) not in kinds:
-                        kinds.add(_kind(other))
-                        runners_up.append(other)
+                    kinds.add(_kind(other))
+                    runners_up.append(other)
         frontier = sorted(runners_up, key=_extra_time)
     others = [plan_of(prof, placed, first.budget) for placed in found.values()]
     # the solver's first may be a rule that equals one found here
