@@ -227,3 +227,22 @@ def test_a_plan_prints_the_share_of_the_step_its_prices_came_from(monkeypatch):
         moved = _profile()
     assert timed and moved.step_time == pytest.approx(40e-3)
     assert [v["seconds"] for v in _entries("step|").values()] == [pytest.approx(40e-3)]
+
+
+def test_a_cached_link_to_host_memory_is_checked_too(monkeypatch):
+    from dataclasses import asdict, replace
+
+    from remat.planning.measure.timecache import StaleTimings, TimingCache
+
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
+    linked = replace(_OVERHEADS, link_bytes_per_s=20e9)  # an accelerator's, as scripted
+    monkeypatch.setattr(overheads, "_measure", lambda *a: (_OVERHEADS, 0.0))
+    monkeypatch.setattr(overheads, "_link_bandwidth", lambda *a: linked.link_bytes_per_s)
+    cache = TimingCache(None, fresh=False)
+    cache.put("overheads", "", "cpu", asdict(linked))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert overheads.cached_overheads(cache, "cpu") == linked  # agrees: kept, no line
+    cache.put("overheads", "", "cpu", asdict(replace(linked, link_bytes_per_s=0.4e9)))  # 50 times too slow
+    with pytest.warns(StaleTimings, match=r"\(a copy of 4\.0 MiB to host memory costs 10\.486 ms by them, 0\.210 ms "):
+        assert overheads.cached_overheads(cache, "cpu") == linked

@@ -85,7 +85,8 @@ def cached_overheads(cache: TimingCache, device: str, ops: int = 64, copy_bytes:
     (one :class:`~remat.planning.measure.timecache.StaleTimings` line).
 
     Each figure the rounds measure (a region saving ``ops`` tensors, ``ops`` ops under a policy, a copy of
-    ``copy_bytes``) may be apart from the kept one by :func:`~remat.planning.measure.timecache.stale_slack`.
+    ``copy_bytes`` on the device and to host memory) may be apart from the kept one by
+    :func:`~remat.planning.measure.timecache.stale_slack`.
 
     Example:
         >>> with timings_cache() as cache:
@@ -124,6 +125,9 @@ def _moved(cached: Overheads, device: str, ops: int, copy_bytes: int) -> str:
     # The fastest of each step's rounds: load only slows a round, so a busy moment now leaves quiet figures be,
     # while figures from a busy round (or another machine) stand apart.
     now, rounds_spread = _measure(_CHECK_ROUNDS, ops, copy_bytes, device, min)
+    if cached.link_bytes_per_s > 0:  # an accelerator's link to host memory
+        block = torch.ones(copy_bytes // 4, device=device)
+        now = dataclasses.replace(now, link_bytes_per_s=_link_bandwidth(block, Clock(device), _CHECK_ROUNDS))
     slack = stale_slack(rounds_spread)
     floor = 1e-6  # figures below a microsecond are noise either way
     for (what, kept), (_, fresh) in zip(_figures(cached, ops, copy_bytes), _figures(now, ops, copy_bytes)):
@@ -137,7 +141,9 @@ def _figures(o: Overheads, ops: int, copy_bytes: int) -> list[tuple[str, float]]
     """The seconds the overheads give for whole pieces of work, each as measurable as the rounds' steps."""
     return [(f"a region saving {ops} tensors", o.region + ops * o.per_saved),
             (f"{ops} ops under a policy (forward and replay)", ops * (o.policy_forward + o.policy_replay)),
-            (f"a copy of {format_bytes(copy_bytes)}", o.copy_per_byte * copy_bytes)]
+            (f"a copy of {format_bytes(copy_bytes)}", o.copy_per_byte * copy_bytes),
+            (f"a copy of {format_bytes(copy_bytes)} to host memory",
+             copy_bytes / o.link_bytes_per_s if o.link_bytes_per_s > 0 else 0.0)]
 
 
 def _measure(rounds: int, ops: int, copy_bytes: int, device: str,
