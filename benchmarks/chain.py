@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, x = build(args.width, args.hidden, args.batch)
-    prof = remat.profile(model, x, loss_fn=loss_fn)
+    prof = remat.profile(model, x, loss_fn=loss_fn, hold_output=False)  # as its steps: loss_fn(model(x)).backward()
     options = chain_options(prof)
     fixed = prof.param_bytes + prof.buffer_bytes
     sequential = {s: predict(prof, sequential_choice(prof, options, s)) for s in range(2, len(prof.rows) + 1)}

@@ -103,7 +103,7 @@ def eager_variants(work: Workload, blocks_only: bool = True) -> tuple[dict[str, 
     for k in (1, 2, 3):
         variants["full checkpointing" if k == 1 else f"every {k}"] = _wrapped(work, every_n=k)
     variants["save_matmuls"] = _wrapped(work, policy=remat.policies.save_matmuls)
-    prof = remat.profile(work.model, *work.inputs, loss_fn=work.loss_fn)
+    prof = remat.profile(work.model, *work.inputs, loss_fn=work.loss_fn, hold_output=False)  # as work.step
     budgets: dict[str, float | int] = {f"{fraction:.0%}": fraction for fraction in PLAN_FRACTIONS}
     for label in list(variants)[1:]:
         peak = remat.measure_step(lambda m=variants[label]: work.step(m), variants[label]).peak_above_params

@@ -201,7 +201,7 @@ def _profile_plans(work: Workload, keys: list[str], repeats: int,
                    save_to: str | None = None) -> tuple[dict[str, remat.Plan | str], remat.Profile]:
     """The plans of ``keys`` (:data:`gpu_modes.PLANS`) from one profile, or why one was refused; the profile
     (it holds no tensors)."""
-    prof = remat.profile(work.model, repeats=repeats, **work.inputs)
+    prof = remat.profile(work.model, repeats=repeats, hold_output=False, **work.inputs)  # as its step: .loss.backward()
     if save_to:
         # the profile holds no tensors: re-planning from it elsewhere (a CPU machine) uses this device's prices
         with open(save_to, "wb") as f:

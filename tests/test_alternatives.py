@@ -62,7 +62,7 @@ def test_a_plan_chosen_by_name_is_priced_as_the_solver_prices_it(case):
 
 @pytest.mark.parametrize("decisions, segments, message", [
     ({"blocks.9": "checkpoint"}, (), r"no block 'blocks\.9'; its blocks are blocks\.0, blocks\.1"),
-    ({"blocks.0": "teleport"}, (), r"blocks\.0 has no option 'teleport' here; it has checkpoint, keep"),
+    ({"blocks.0": "teleport"}, (), r"`blocks\.0` has no option 'teleport' here; it has checkpoint, keep"),
     ({}, [["blocks.0", "blocks.2"]], r"not a run of consecutive blocks"),
     ({}, [["blocks.0", "blocks.1"]], r"cannot run as one region"),
 ])

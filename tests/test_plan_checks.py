@@ -68,15 +68,15 @@ def test_another_model_class_is_refused_before_anything_is_wrapped(llama_plan):
 
 def test_a_model_with_fewer_blocks_is_refused_and_left_unwrapped(llama_plan):
     two = _llama(layers=2)
-    with pytest.raises(ValueError, match=r"LlamaDecoderLayer block model\.layers\.2 is not in this LlamaForCausalLM "
-                                         r"\(it has 2 such blocks, the plan 4\)"):
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer block `model\.layers\.2` is not in this LlamaForCausalLM "
+                                         r"\(it has 2 LlamaDecoderLayer blocks, the plan 4\)"):
         llama_plan.apply(two)
     assert not _wrapped(two)
 
 
 def test_a_wider_model_is_refused_naming_the_first_parameter_that_differs(llama_plan):
     wide = _llama(hidden=128)
-    with pytest.raises(ValueError, match=r"block model\.layers\.0 has other parameters than in the plan "
+    with pytest.raises(ValueError, match=r"block `model\.layers\.0` has other parameters than in the plan "
                                          r"\(self_attn\.q_proj\.weight: 128x128 here, 64x64 in the plan\)"):
         llama_plan.apply(wide)
     assert not _wrapped(wide)
@@ -85,7 +85,7 @@ def test_a_wider_model_is_refused_naming_the_first_parameter_that_differs(llama_
 def test_a_block_of_another_class_is_refused(llama_plan):
     model = _llama()
     model.model.layers[1] = torch.nn.Linear(64, 64)
-    with pytest.raises(ValueError, match=r"block model\.layers\.1 is a Linear here and a LlamaDecoderLayer in the"):
+    with pytest.raises(ValueError, match=r"block `model\.layers\.1` is a Linear here and a LlamaDecoderLayer in the"):
         llama_plan.apply(model)
     assert not _wrapped(model)
 
@@ -124,6 +124,6 @@ def test_a_plan_without_meta_still_checks_every_name_before_wrapping():
     plan = _plan_for(_llama())
     plan.meta = {}
     two = _llama(layers=2)
-    with pytest.raises(ValueError, match=r"the plan's block model\.layers\.2 is not in this LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"the plan's block `model\.layers\.2` is not in this LlamaForCausalLM"):
         plan.apply(two)
     assert not _wrapped(two)

@@ -174,9 +174,15 @@ def test_save_matmuls_output_the_loss_saves():
     frees it part-way through the stretch after the loss: the peak there already holds it.  The kept output is
     after the block's last saved tensor, so it is gone once the block's recomputation starts."""
     factory, x = _plain_factory(), torch.randn(128, 32)
-    prof = remat.profile(factory(), x, loss_fn=_loss, repeats=1)
+    prof = remat.profile(factory(), x, loss_fn=_loss, repeats=1, hold_output=False)  # a loop that lets go of it
     (out,) = [s for s in prof.shared if s.kept_by == [3]]
     assert out.outside and not out.served_to and any(p and not a for p, a in zip(out.at_peak, out.alive))
+    _holds(factory, x, prof, (3, "save_matmuls", 1))
+    _holds(factory, x, prof, (2, "checkpoint", 1), (3, "save_matmuls", 1))
+    # held by the loop through backward instead, it lives on whatever the plan
+    prof = remat.profile(factory(), x, loss_fn=_loss, repeats=1)
+    (out,) = [s for s in prof.shared if s.kept_by == [3]]
+    assert out.outside and all(out.alive[len(prof.rows):])
     _holds(factory, x, prof, (3, "save_matmuls", 1))
     _holds(factory, x, prof, (2, "checkpoint", 1), (3, "save_matmuls", 1))
 

@@ -123,8 +123,8 @@ def test_a_block_writing_in_place_to_a_view_of_its_input_profiles_and_is_never_a
     is refused with the reason, in one line."""
     prof = remat.profile(_Stack(), torch.randn(1024, 64), loss_fn=lambda out: out.pow(2).mean(), repeats=1)
     assert [row.writes_input for row in prof.rows] == [True] * 4
-    with pytest.raises(remat.InfeasibleBudget, match=r"blocks\.0, blocks\.1, blocks\.2 and 1 more write in place "
-                       r"to their inputs.*x = x\.clone\(\)"):
+    with pytest.raises(remat.InfeasibleBudget, match=r"write in place to their inputs \(`blocks\.0`, `blocks\.1`, "
+                       r"`blocks\.2` and 1 more\): write to a copy \(x = x\.clone\(\)\) in the forward of `blocks\.0`"):
         prof.plan("70%")
 
 
@@ -246,8 +246,13 @@ def test_mobilenet_v3_small_profiles_to_memtrackers_byte_and_its_plan_holds():
     prof = remat.profile(model, x, loss_fn=lambda out: out.sum(), repeats=1)
     assert [row.name for row in prof.rows] == [f"features.{i}" for i in range(1, 12)]
     model.zero_grad(set_to_none=True)
-    measured = remat.measure_step(lambda: model(x).sum().backward(), model).peak_above_params
-    assert prof.peak_above_params == measured  # 26,357,168 bytes, as torchvision 0.29.1's own model measures
+    def step() -> None:
+        out = model(x)  # alive until backward ends, as in the loop the profile assumes
+        out.sum().backward()
+
+    measured = remat.measure_step(step, model).peak_above_params
+    # 26,357,488 bytes: torchvision 0.29.1's own model measures 26,357,168 letting go of its 320 bytes of output
+    assert prof.peak_above_params == measured
     result = remat.check_plan(build, prof.plan("70%"), x, loss_fn=lambda out: out.sum(), steps=2, optimizer="sgd")
     assert result.holds, str(result)
 

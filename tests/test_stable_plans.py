@@ -164,7 +164,7 @@ def test_a_poisoned_cached_timing_is_caught_and_measured_again_with_one_line(mon
     stale = [w for w in caught if issubclass(w.category, remat.planning.measure.timecache.StaleTimings)]
     assert len(timed) == 2 * measured and len(stale) == 1 and stale[0].filename == __file__
     message = str(stale[0].message)
-    assert "\n" not in message and message.startswith("remat.profile: the cached timings of 0 and 2 more blocks are "
+    assert "\n" not in message and message.startswith("remat.profile: the cached timings of `0` and 2 more blocks are "
                                                       "not this machine's now (their blocks' forwards add up to 210.0 "
                                                       "ms, more than this process's whole training step (10.0 ms));")
     assert prof.ops.blocks["0"].forward_time == pytest.approx(1e-3)

@@ -170,7 +170,7 @@ def test_check_with_a_plan_for_another_model_prints_its_error_and_no_blank_line(
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert _one_line(captured.err).startswith("remat check: error: block 0 has other parameters than in the plan")
+    assert _one_line(captured.err).startswith("remat check: error: block `0` has other parameters than in the plan")
 
 
 def test_a_dot_where_the_colon_belongs_is_told_with_the_fix(capsys):

@@ -265,7 +265,9 @@ def check_plan(
 
     ``model_or_factory``: the model, or a function returning it; the check trains two copies (the model
     itself is left as it was), from identical weights, on ``model(*inputs, **input_kwargs)`` at every step,
-    with the same dropout draws (``torch.manual_seed(seed + step)``).  ``plan``: a :class:`Plan` or the path
+    with the same dropout draws (``torch.manual_seed(seed + step)``), in the loop the plan's peak assumes
+    (``plan.hold_output``): ``out = model(...); loss_fn(out).backward()`` with the output alive until backward ends,
+    or with it let go of once the loss is computed.  ``plan``: a :class:`Plan` or the path
     of one saved by :meth:`Plan.save`; it is checked against the model first (ValueError if it was made for
     another).  ``optimizer``: a name from :data:`~remat.planning.basics.optimizers.OPTIMIZERS` (``"adamw"``: lr 1e-3,
     foreach; ``"sgd"``: lr 1e-2, momentum 0.9; ``"adamw-fused"``) or a function from the parameters to an
@@ -299,7 +301,7 @@ def check_plan(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the planned copy says it, once, when the plan is applied below
         cache_off_in_training(unplanned)  # as the profile ran it: a KV cache is no part of the prediction
-    runs = [_Run(unplanned, make_optimizer), _Run(plan.apply(planned), make_optimizer)]
+    runs = [_Run(each, make_optimizer, plan.hold_output) for each in (unplanned, plan.apply(planned))]
     loss_of = loss_fn or default_loss
     clock = Clock(device_of(runs[0].params))
     rows = []
@@ -355,15 +357,19 @@ class _Measured:
 class _Run:
     """One copy of the model and its optimizer, stepped by the check."""
 
-    def __init__(self, model: nn.Module, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-                 ) -> None:
+    def __init__(self, model: nn.Module, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 hold_output: bool) -> None:
         self.model = model
+        self.hold_output = hold_output
         self.params = list(model.parameters())  # the same order in both copies: wrappers add no parameters
         self.optimizer = make_optimizer(self.params)
 
     def _pass(self, loss_of: Callable[[Any], torch.Tensor], inputs: tuple, kwargs: dict, seed: int) -> torch.Tensor:
         torch.manual_seed(seed)
-        loss = loss_of(self.model(*inputs, **kwargs))
+        output = self.model(*inputs, **kwargs)
+        loss = loss_of(output)
+        if not self.hold_output:  # the loop the plan's peak assumes: the output gone once the loss is computed
+            del output
         loss.backward()
         return loss.detach()
 

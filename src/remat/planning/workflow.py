@@ -25,7 +25,7 @@ from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
 from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
-from .choices.options import DEFAULT_ALLOW
+from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
 from .solve.alternatives import plan_for
@@ -90,7 +90,9 @@ class Profile(StepProfile):
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
         with self._no_head_told():
-            return self._for_this_model(plan_with_head(self, self.head, budget, allow))
+            made = plan_with_head(self, self.head, budget, allow)  # a refusal says it in its line
+        _warn_unavailable(self, allow)
+        return self._for_this_model(made)
 
     def alternatives(self, budget: Budget | int | float | str, count: int = 5,
                      allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
@@ -104,7 +106,9 @@ class Profile(StepProfile):
             ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
         """
         with self._no_head_told():
-            return [self._for_this_model(p) for p in alternatives_with_head(self, self.head, budget, count, allow)]
+            made = alternatives_with_head(self, self.head, budget, count, allow)
+        _warn_unavailable(self, allow)
+        return [self._for_this_model(p) for p in made]
 
     def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = (), head: bool = False) -> Plan:
         """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
@@ -141,7 +145,19 @@ class Profile(StepProfile):
         Example:
             >>> print(prof.front(budgets=("50%", "30%")))
         """
+        _warn_unavailable(self, allow)
         return front(self, budgets, DEFAULT_ALLOW if allow is None else allow, self.head)
+
+
+def _warn_unavailable(prof: StepProfile, allow: Sequence[str] | None) -> None:
+    """One line where options asked for by name are not available to the blocks of ``prof`` and the others still
+    plan (where none is, the options' builder refuses)."""
+    if allow is None or tuple(allow) == DEFAULT_ALLOW:
+        return
+    left = [o for o in allow if o not in unavailable_offloads(prof, allow)]
+    if left and len(left) < len(allow):
+        warnings.warn(f"remat.plan: {offloads_note(prof, allow)[:-1]}; planning with {', '.join(left)} only.",
+                      stacklevel=user_stacklevel())
 
 
 def profile(
@@ -154,6 +170,7 @@ def profile(
     repeats: int = 5,
     ops: bool = True,
     fresh_timings: bool = False,
+    hold_output: bool = True,
     **example_kwargs: Any,
 ) -> Profile:
     """Profile training steps of ``model(*example_inputs, **example_kwargs)`` (no checkpointing).
@@ -168,6 +185,12 @@ def profile(
     the next; ``fresh_timings=True`` measures again.  A Hugging Face model with ``use_cache=True`` is
     profiled with the cache off, as transformers trains with gradient checkpointing (one warning; its config
     is left as it was).
+
+    ``hold_output``: the step measured keeps the model's output (a causal LM's logits) alive until backward ends,
+    as ``out = model(x); loss = out.loss; loss.backward()`` does, and so do the peaks predicted for plans made from
+    the profile (``Plan.hold_output`` records it; :func:`remat.check_plan` trains that way).  ``False``: the output
+    dies once the loss is computed, as in ``loss_fn(model(x)).backward()``; a peak lower by what the output holds
+    after the loss.
 
     ``device="meta"`` profiles without allocating: build the model and the inputs on the meta device
     (``with torch.device("meta"): model = ...``); bytes are those the same step keeps on the CPU (attention runs
@@ -199,7 +222,7 @@ def profile(
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
-                               throughput, repeats)
+                               throughput, repeats, hold_output)
         except (RuntimeError, NotImplementedError) as error:
             if on_meta is None or "meta" not in str(error).lower():
                 raise
@@ -211,6 +234,12 @@ def profile(
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
         head = None if on_meta is not None else measure_head(model, example_inputs, kwargs, blocks,
                                                                loss_fn is not None, measured, repeats)
+    modules = dict(blocks)
+    for row in measured.rows:
+        if row.writes_input and row.name in modules:  # the refusal's advice: build these with inplace=False
+            row.in_place_layers = tuple(".".join(filter(None, (row.name, path)))
+                                        for path, layer in modules[row.name].named_modules()
+                                        if getattr(layer, "inplace", None) is True)
     # a segment's container must run its children itself: one its parent iterates never runs its forward
     measured.links = [link and name.rpartition(".")[0] in ran for name, link in zip(names, links)]
     # The shapes travel with every plan from this profile: its predictions hold at them (Plan.apply checks).
@@ -371,6 +400,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     allow: Sequence[str] = DEFAULT_ALLOW,
     modules: Sequence[str] | None = None,
+    hold_output: bool = True,
     **example_kwargs: Any,
 ) -> Plan:
     """Profile ``model(*example_inputs, **example_kwargs)`` and return the cheapest :class:`Plan` that fits.
@@ -381,8 +411,9 @@ def plan(
     lists the options a block may take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective``
     (op-level: keep chosen op outputs of the block, recompute the rest; needs one more forward to record the op
     graphs) and ``offload`` (only considered on an accelerator).  For several budgets, profile once and call
-    ``prof.plan(budget)`` for each.  The plan records the model it was made for (``plan.meta``) and checks it
-    when applied.
+    ``prof.plan(budget)`` for each.  ``hold_output``: the training loop keeps the model's output until backward
+    ends (the default) or lets go of it once the loss is computed, as in :func:`remat.profile`.  The plan records
+    the model it was made for (``plan.meta``) and checks it when applied.
 
     Example:
         >>> p = remat.plan(model, input_ids=ids, labels=ids, budget="50%")   # Hugging Face: .loss is the loss
@@ -393,5 +424,5 @@ def plan(
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
     refuse_checkpointed(model, "remat.plan")
     prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
-                   **example_kwargs)
+                   hold_output=hold_output, **example_kwargs)
     return prof.plan(budget, allow)

@@ -102,15 +102,9 @@ def _demo(args: argparse.Namespace) -> int:
     for column in ("mode", "peak above params", "whole peak", "step time", "overhead", "max |Δloss|", "max |Δgrad|"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in results:
-        table.add_row(
-            r.name,
-            f"{_mib(r.peak_above_params)} ({r.peak_above_params / base.peak_above_params:.0%})",
-            _mib(r.peak_total),
-            f"{r.step_time * 1e3:,.1f} ms",
-            f"{r.step_time / base.step_time - 1:+.0%}",
-            f"{r.max_loss_diff(base):.3g}",
-            f"{r.max_grad_diff(base):.3g}",
-        )
+        table.add_row(r.name, f"{_mib(r.peak_above_params)} ({r.peak_above_params / base.peak_above_params:.0%})",
+                      _mib(r.peak_total), f"{r.step_time * 1e3:,.1f} ms", f"{r.step_time / base.step_time - 1:+.0%}",
+                      f"{r.max_loss_diff(base):.3g}", f"{r.max_grad_diff(base):.3g}")
     console.print(table)
     console.print(f"{results[-1].name}, per block (kept: bytes held from forward to backward):")
     console.print(str(plan), markup=False, highlight=False)
@@ -223,7 +217,7 @@ def _profile_of(args: argparse.Namespace):
     _check_forward(model, inputs, kwargs, args)
     with _running_the_model(args):
         return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
-                       fresh_timings=getattr(args, "fresh_timings", False),
+                       fresh_timings=getattr(args, "fresh_timings", False), hold_output=not args.drop_output,
                        ops="selective" in getattr(args, "allow", ()), **kwargs)
 
 
@@ -319,20 +313,27 @@ def _plan_cmd(args: argparse.Namespace) -> int:
     for index, budget in enumerate(args.budget):
         if len(args.budget) > 1:
             print(("\n" if index else "") + f"== budget {budget} ==")
-        try:
-            plan = prof.plan(budget, allow=tuple(args.allow))
-        except InfeasibleBudget as error:
-            if len(args.budget) == 1:
-                raise UserError(_in_command_terms(str(error))) from error
-            print(f"refused: {_in_command_terms(str(error))}")
-            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                plan = prof.plan(budget, allow=tuple(args.allow))
+            except InfeasibleBudget as error:
+                if len(args.budget) == 1:
+                    raise UserError(_in_command_terms(str(error))) from error
+                print(f"refused: {_in_command_terms(str(error))}")
+                continue
+            except ValueError as error:  # options this device cannot have, and nothing else asked for
+                raise UserError(_unprefixed(str(error))) from error
+        if not made:  # the options' warning, once for every budget (a refusal states it)
+            _print_warnings(args.command, caught)
         made += 1
         print(plan)
         if args.output:
             plan.save(args.output)
             print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
     if args.front:
-        print(f"\nremat's plans beside every-k and offloaded inputs:\n{prof.front(allow=tuple(args.allow))}")
+        with warnings.catch_warnings(record=True):  # the options' warning is printed with the first plan
+            print(f"\nremat's plans beside every-k and offloaded inputs:\n{prof.front(allow=tuple(args.allow))}")
     if not made:
         raise UserError("no budget could be met; the messages above give the smallest peak any plan reaches")
     return 0
@@ -464,10 +465,12 @@ def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["meta"], help="profile on the meta device: no allocation")
     parser.add_argument("--fresh-timings", action="store_true",
                         help="measure op times again instead of reusing this machine's (REMAT_CACHE_DIR)")
+    parser.add_argument("--drop-output", action="store_true", help="for a loop that drops the output after its loss")
 
 
 _LOSS = ("The step's loss is the output's .loss (a Hugging Face model given labels by --inputs) or else the sum "
-         "of the output.")
+         "of the output. The output is held until backward ends, as in the usual loop, or let go of once the loss is "
+         "computed with --drop-output (check: as the plan was made).")
 
 
 def _parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -159,7 +159,8 @@ def run_demo(
     generator = torch.Generator().manual_seed(seed)
     batches = [synthetic_batch(cfg, batch_size, generator) for _ in range(steps)]
     tokens, targets = batches[0]
-    prof = run_profile(copy.deepcopy(reference), tokens, loss_fn=_loss_fn(targets))
+    # the demo trains with model.loss(tokens, targets): the logits are gone once the loss is computed
+    prof = run_profile(copy.deepcopy(reference), tokens, loss_fn=_loss_fn(targets), hold_output=False)
     modes, plan = _modes(prof, budget)
     results = []
     for name, prepare in modes.items():

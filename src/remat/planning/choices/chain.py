@@ -166,7 +166,7 @@ def sequential_choice(prof: StepProfile, options: list[list[BlockOption]], segme
         name = "keep" if p not in starts else ("checkpoint" if size == 1 else "segment")
         match = [o for o in options[p] if o.name == name and o.span == wanted]
         if not match:
-            raise ValueError(f"remat.planning.choices.chain: {prof.rows[p].name} has no {name} option over {wanted} "
+            raise ValueError(f"remat.planning.choices.chain: `{prof.rows[p].name}` has no {name} option over {wanted} "
                              "blocks (are they children of one nn.Sequential?).")
         chosen.append(match[0])
         p += wanted

@@ -40,14 +40,15 @@ from ..measure.prices import forward_spared
 from ..measure.profile import ModuleProfile, StepProfile
 from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
 
-__all__ = ["BlockOption", "CopySchedule", "block_options", "copy_schedule", "selective_option", "selective_options",
-           "step_extra_time"]
+__all__ = ["BlockOption", "CopySchedule", "block_options", "copy_schedule", "offloads_note", "selective_option",
+           "selective_options", "step_extra_time", "unavailable_offloads"]
 
 OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
 ALLOWED = OPTIONS[1:]
 # Offloading op outputs is asked for by name: on an H100 a Llama layer that offloaded 32 MiB of op outputs
 # measured ~4 ms of extra time, priced ~2 ms, and no plan measured faster with offloads than without.
 DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload")
+OFFLOADS = ("offload", "checkpoint_offload", "keep_offload")
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice: where none was measured
 _GRID = 2.0**32  # prices per second
 
@@ -112,6 +113,11 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     unknown = set(allow) - set(ALLOWED)
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(ALLOWED)}.")
+    missing = unavailable_offloads(prof, allow)
+    if allow and set(allow) <= set(missing):  # a plan could only keep every block: not what was asked
+        others = _listed([o for o in ALLOWED if o not in OFFLOADS], "or")
+        raise ValueError(f"remat.plan: {_unavailable_phrase(prof.device, missing)}: allow {others}, or profile the "
+                         "model on a CUDA device.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
     measured = [g.overheads.link_bytes_per_s for g in prof.ops.blocks.values()] if prof.ops is not None else []
     link = max(measured, default=0.0) or _OFFLOAD_BYTES_PER_SECOND
@@ -151,6 +157,47 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
                                        in_flight=in_flight))
         per_block.append(choices)
     return per_block
+
+
+def unavailable_offloads(prof: StepProfile, allow: Sequence[str]) -> list[str]:
+    """The options of ``allow`` that move bytes to host memory and that no block of ``prof`` gets: on the CPU and
+    the meta device all of them (a CPU tensor is in host memory already) but ``offload``'s moved op outputs of
+    ``selective`` blocks where the op graphs were timed as on an accelerator; on an accelerator whose copy engine
+    runs copies in line with the compute, ``keep_offload``.
+
+    Example:
+        >>> unavailable_offloads(prof, ("checkpoint", "checkpoint_offload"))  # prof.device == "cpu"
+        ['checkpoint_offload']
+    """
+    if prof.device.startswith(("cpu", "meta")):
+        graphs = prof.ops.blocks.values() if prof.ops is not None and "selective" in allow else ()
+        twins = any(graph.asynchronous for graph in graphs)  # offload_twins: what a host link would hide
+        return [o for o in allow if o in OFFLOADS and not (o == "offload" and twins)]
+    engine = engine_for(prof.device.split(":")[0])
+    asynchronous = engine is not None and engine.model.asynchronous
+    return [] if asynchronous or "keep_offload" not in allow else ["keep_offload"]
+
+
+def offloads_note(prof: StepProfile, allow: Sequence[str]) -> str:
+    """One sentence saying which options of ``allow`` no block of ``prof`` gets and why ('' if none).
+
+    Example:
+        >>> offloads_note(prof, ("checkpoint", "offload"))  # prof.device == "cpu"
+        'offload needs an accelerator whose copies run on their own stream (CUDA); on cpu it is not available.'
+    """
+    missing = unavailable_offloads(prof, allow)
+    return f"{_unavailable_phrase(prof.device, missing)}." if missing else ""
+
+
+def _unavailable_phrase(device: str, missing: Sequence[str]) -> str:
+    names = _listed(missing, "and")
+    one = len(missing) == 1
+    return (f"{names} {'needs' if one else 'need'} an accelerator whose copies run on their own stream (CUDA); on "
+            f"{device} {'it is' if one else 'they are'} not available")
+
+
+def _listed(names: Sequence[str], conjunction: str) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {conjunction} {names[-1]}"
 
 
 def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProfile) -> list[BlockOption]:

@@ -551,10 +551,18 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
         graphs[name] = timed.setdefault(graph.signature, (graph, record))[0]
     if estimated:
         return graphs, None
+    unsteady: dict[str, float] = {}  # block -> its forwards' spread, where they still varied: one line for them all
     times, step_time = cached_times(
         cache, device, {name: g.signature for name, g in graphs.items()}, step, key, _unsteady(),
         lambda signature: dataclasses.asdict(_steady_times(timed[signature][1], len(timed[signature][0].nodes),
-                                                           repeats)))
+                                                           repeats, unsteady)))
+    if unsteady:
+        names = list(unsteady)
+        more = f" and {len(names) - 1} more blocks" if len(names) > 1 else ""
+        warnings.warn(UnsteadyTimings(
+            f"remat.profile: the forward of `{names[0]}`{more} varied by up to {max(unsteady.values()):.0%} between "
+            "timed rounds (is the machine busy?); plans priced from these times may differ from run to run, and "
+            "they are not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
     for signature, (graph, _) in timed.items():
         timing = OpTimes(**times[signature])
         graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
@@ -567,16 +575,13 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
     return graphs, step_time
 
 
-def _steady_times(record: _BlockRecord, n: int, repeats: int) -> OpTimes:
+def _steady_times(record: _BlockRecord, n: int, repeats: int, unsteady: dict[str, float]) -> OpTimes:
     """The block's op times, measured again with more rounds where its forwards varied by more than
-    :data:`UNSTEADY` (or ``REMAT_UNSTEADY_SPREAD``); a warning where they still did."""
+    :data:`UNSTEADY` (or ``REMAT_UNSTEADY_SPREAD``); its spread in ``unsteady`` where they still did."""
     timing, limit = _time_block(record, n, repeats), _unsteady()
     if timing.spread > limit:
         timing = _time_block(record, n, 2 * repeats + 1)
         if timing.spread > limit:
-            warnings.warn(UnsteadyTimings(
-                f"remat.profile: the forward of {record.name} varied by {timing.spread:.0%} between timed rounds "
-                "(is the machine busy?); plans priced from these times may differ from run to run, and they are "
-                "not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
+            unsteady[record.name] = timing.spread
     return pooled(timing, record.work)
 

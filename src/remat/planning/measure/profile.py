@@ -59,7 +59,8 @@ class ModuleProfile:
     its recomputation's transient from them); ``region_time`` is the part of ``checkpoint_time`` one region
     costs whatever it runs, and ``tail_time`` what rerunning the ops after its last saved tensor costs (a
     block inside a region reruns them for the next one).  ``writes_input``: the block writes in place to an
-    input, so no region may start at it (only keep it, or run it inside a region that starts earlier).
+    input, so no region may start at it (only keep it, or run it inside a region that starts earlier);
+    ``in_place_layers``: then the module paths of its layers built to write in place (``nn.ReLU(inplace=True)``).
 
     A recomputing block keeps its inputs until its backward, where the step without a plan may have freed
     them: ``unsaved_held_bytes`` is the part of ``held_bytes`` the block does not save (a Dropout's input: it
@@ -92,6 +93,7 @@ class ModuleProfile:
     region_time: float = 0.0
     tail_time: float = 0.0
     writes_input: bool = False
+    in_place_layers: tuple[str, ...] = ()
     unsaved_held_bytes: int = 0
     released_inputs: list[tuple[int, int]] = field(default_factory=list)
     matmul_spared_bytes: int = 0
@@ -153,6 +155,9 @@ class StepProfile:
     # links[i]: blocks i and i + 1 are consecutive children of one plain nn.Sequential, which a plan may
     # checkpoint as one region (see remat.planning.choices.chain)
     links: list[bool] = field(default_factory=list)
+    # the step measured keeps the model's output alive until backward ends (the loop people write), or drops it
+    # once the loss is computed: plans from this profile assume the same
+    hold_output: bool = True
 
     @property
     def peak_above_params(self) -> int:
@@ -211,8 +216,8 @@ def _refuse_kv_cache(output: Any) -> None:
 
 
 def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, blocks: list[tuple[str, nn.Module]],
-            loss_fn: Callable[[Any], torch.Tensor], device: str | None, throughput: float, repeats: int
-            ) -> StepProfile:
+            loss_fn: Callable[[Any], torch.Tensor], device: str | None, throughput: float, repeats: int,
+            hold_output: bool = True) -> StepProfile:
     """Measure training steps of ``model`` for the ``blocks`` (see :func:`remat.profile` for the arguments).
 
     The result's ``ops`` holds the blocks' op graphs, from which the options are priced.
@@ -220,14 +225,16 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     Example:
         >>> measured = measure(model, (tokens,), {}, candidate_modules(model), loss, None, 100e12, 5)
     """
-    def step() -> torch.Tensor:
-        return loss_fn(model(*example_inputs, **example_kwargs))
+    def forward() -> Any:
+        return model(*example_inputs, **example_kwargs)
 
+    step = _Step(forward, loss_fn, hold_output)
     inputs = list(tensor_leaves((example_inputs, example_kwargs)))
     if device == "meta":
         prof = _profile_on_meta(model, step, inputs, blocks, throughput)
     else:
-        prof = _profile_measured(model, example_inputs, example_kwargs, blocks, step, loss_fn, inputs, repeats)
+        prof = _profile_measured(model, example_inputs, example_kwargs, blocks, step, inputs, repeats)
+    prof.hold_output = hold_output
     if prof.ops is None:
         prof.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
                                throughput=throughput, **example_kwargs)
@@ -242,12 +249,34 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     return prof
 
 
+@dataclass(frozen=True)
+class _Step:
+    """The training step a profile measures: ``forward()``, its output's loss, backward; ``hold_output``: the
+    output stays alive until backward ends (``out = model(x); out.loss.backward()``), else it dies once the loss
+    is computed."""
+
+    forward: Callable[[], Any]
+    loss_fn: Callable[[Any], torch.Tensor]
+    hold_output: bool
+
+    def __call__(self) -> None:
+        output = self.forward()
+        loss = self.loss_fn(output)
+        if not self.hold_output:
+            del output
+        loss.backward()
+
+    def trace(self, model: nn.Module, inputs: list[torch.Tensor], blocks: list[tuple[str, nn.Module]]
+              ) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
+        """The step instrumented (:func:`~remat.planning.measure.timeline._trace`)."""
+        return _trace(model, self.forward, self.loss_fn, inputs, blocks, hold_output=self.hold_output)
+
+
 _STEP_ROUNDS = 2  # timed plain steps for the step time; per-op times come from the op graphs' rounds
 
 
 def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: dict,
-                      blocks: list[tuple[str, nn.Module]], step: Callable[[], torch.Tensor],
-                      loss_fn: Callable[[Any], torch.Tensor], inputs: list[torch.Tensor], repeats: int
+                      blocks: list[tuple[str, nn.Module]], step: _Step, inputs: list[torch.Tensor], repeats: int
                       ) -> StepProfile:
     params = list(model.parameters())
     saved_grads = [p.grad for p in params]
@@ -256,12 +285,12 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
             p.grad = None
         output = model(*example_inputs, **example_kwargs)  # also warms up the timed steps
         _refuse_kv_cache(output)
-        step_loss = loss_fn(output)
+        step_loss = step.loss_fn(output)
         del output
         step_loss.backward()
         del step_loss
         step_time = _time_steps(model, step, min(repeats, _STEP_ROUNDS), params)
-        traced = _trace(model, step, inputs, blocks)
+        traced = step.trace(model, inputs, blocks)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
@@ -295,20 +324,19 @@ def _profile_measured(model: nn.Module, example_inputs: tuple, example_kwargs: d
     return prof
 
 
-def _time_steps(model: nn.Module, step: Callable[[], torch.Tensor], rounds: int, params: list[nn.Parameter]
-                ) -> StepTime:
+def _time_steps(model: nn.Module, step: _Step, rounds: int, params: list[nn.Parameter]) -> StepTime:
     """The device seconds of ``rounds`` training steps without checkpointing (one synchronize each): their
     median and spread."""
     clock = Clock(device_of(params))
     times = []
     for _ in range(rounds):
-        times.append(clock.time(lambda: step().backward())[1])
+        times.append(clock.time(step)[1])
         for p in params:
             p.grad = None
     return StepTime(statistics.median(times), spread(times))
 
 
-def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
+def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
                      blocks: list[tuple[str, nn.Module]], throughput: float) -> StepProfile:
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -318,14 +346,14 @@ def _profile_on_meta(model: nn.Module, step: Callable[[], torch.Tensor], inputs:
             "remat.profile(device='meta'): put the model and the inputs on the meta device first, e.g. build "
             "the model under `with torch.device('meta'):` and create inputs with device='meta'."
         )
-    timeline, probe, meter, grad_bytes = _trace(model, step, inputs, blocks)
+    timeline, probe, meter, grad_bytes = step.trace(model, inputs, blocks)
     for p in params:
         p.grad = None
     # FLOPs in a step of their own: the counter's module hooks pass tensors through autograd functions of
     # their own, which keep some alive longer in backward (a SiLU layer's backward held 20 MiB more).
     flops = FlopCounterMode(display=False)
     with flops:
-        step().backward()
+        step()
     for p in params:
         p.grad = None
     counts = flops.get_flop_counts()

@@ -248,7 +248,7 @@ def cached_times(cache: TimingCache, device: str, blocks: dict[str, str], step: 
         reason = stale(sum(times[blocks[name]]["forward"] for name in cached), step, entry)
         if reason:
             more = f" and {len(cached) - 1} more blocks" if len(cached) > 1 else ""
-            warnings.warn(StaleTimings(f"remat.profile: the cached timings of {cached[0]}{more} are not this "
+            warnings.warn(StaleTimings(f"remat.profile: the cached timings of `{cached[0]}`{more} are not this "
                                        f"machine's now ({reason}); measuring them again."),
                           stacklevel=user_stacklevel())
             times = dict.fromkeys(times)

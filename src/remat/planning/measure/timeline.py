@@ -248,11 +248,14 @@ class _MatmulMeter(TorchDispatchMode):
         return out
 
 
-def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
-           blocks: list[tuple[str, nn.Module]], *modes: Any) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
+def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any], torch.Tensor],
+           inputs: list[torch.Tensor], blocks: list[tuple[str, nn.Module]], *modes: Any, hold_output: bool = True
+           ) -> tuple[_Timeline, _Probe, _MatmulMeter, int]:
     """One instrumented step: the memory timeline, who saves and takes which storage, matmul outputs.
 
-    Nothing is timed here: the dispatch modes slow every op (times come from the op graphs).
+    ``forward()`` returns the model's output and ``loss_fn`` its loss; ``hold_output``: the output stays alive
+    until backward ends, as in ``out = model(x); loss = out.loss; loss.backward()`` (else it dies once the loss
+    is computed).  Nothing is timed here: the dispatch modes slow every op (times come from the op graphs).
     """
     params = list(model.parameters())
     # The example inputs exist before the step and are not counted, as MemTracker does not see them.
@@ -265,11 +268,18 @@ def _trace(model: nn.Module, step: Callable[[], torch.Tensor], inputs: list[torc
             for context in (torch.autograd.graph.saved_tensors_hooks(probe.pack, _unpack_identity), timeline, meter,
                             *modes):
                 contexts.enter_context(context)
-            loss = step()
+            output = forward()
+            loss = loss_fn(output)
+            if hold_output:
+                for t in tensor_leaves(output):
+                    # the training loop holds it through backward whatever the plan: as code outside the blocks
+                    timeline.track(t).savers.add(None)
+            else:
+                output = None
             timeline.mark("loss")
             probe.in_forward = False
             loss.backward()
-            del loss
+            del loss, output
         probe.close_backward()
     finally:
         probe.remove()

@@ -263,7 +263,7 @@ def time_ops(run: Callable[[], Any], n: int, clock: Clock, repeats: int,
             run()
         if watch.count != n:
             raise RuntimeError(
-                f"remat.profile_ops: {name} ran {watch.count} ops when timed but {n} when profiled; its "
+                f"remat.profile_ops: `{name}` ran {watch.count} ops when timed but {n} when profiled; its "
                 "forward must run the same ops on the same inputs (data-dependent control flow is not supported)."
             )
         device, host = watch.read()

@@ -121,11 +121,11 @@ def plan_for(prof: StepProfile, decisions: Mapping[str, str], segments: Sequence
     in_segments = {name for run in segments for name in run}
     for name, wanted in decisions.items():
         if name in in_segments:
-            raise ValueError(f"remat.plan_for: {name} is both in a segment and given {wanted!r}; give it one.")
+            raise ValueError(f"remat.plan_for: `{name}` is both in a segment and given {wanted!r}; give it one.")
         match = next((o for o in options[index[name]] if o.name == wanted and o.span == 1), None)
         if match is None:
             offered = sorted({o.name for o in options[index[name]] if o.span == 1})
-            raise ValueError(f"remat.plan_for: {name} has no option {wanted!r} here; it has {', '.join(offered)}.")
+            raise ValueError(f"remat.plan_for: `{name}` has no option {wanted!r} here; it has {', '.join(offered)}.")
         placed.append((index[name], match))
     plan = plan_of(prof, placed, prof.peak_bytes)
     plan.budget = plan.predicted_peak  # made for no budget: it promises its own peak

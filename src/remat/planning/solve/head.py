@@ -100,7 +100,9 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
     try:
         for p in params:
             p.grad = None
-        traced = _trace(model, lambda: model(*example_inputs, **example_kwargs).loss, inputs, blocks)
+        # in the loop the profile measured: with the output held, the chunked head's holds no logits (None)
+        traced = _trace(model, lambda: model(*example_inputs, **example_kwargs), lambda output: output.loss, inputs,
+                        blocks, hold_output=prof.hold_output)
     finally:
         unchunk_lm_head(model)
         for p, g in zip(params, saved_grads):
@@ -112,7 +114,7 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
     for row, measured in zip(chunked.rows, rows):
         row.region_time, row.tail_time = measured.region_time, measured.tail_time
     chunked = replace(chunked, ops=prof.ops, links=list(prof.links), notes=list(prof.notes),
-                      estimated_time=prof.estimated_time)
+                      estimated_time=prof.estimated_time, hold_output=prof.hold_output)
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     return HeadOption(chunks, chunked, _head_time(head, labels, chunks, softcap, repeats))
 
@@ -225,9 +227,10 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
         found.extend(made if option is None else [_chunked(plan, prof, option) for plan in made])
     if found:
         return found
-    smallest = min(refusal.smallest for refusal in refusals)
-    if smallest == refusals[0].smallest:  # the step's own refusal says it all, its reasons included
+    lowest = min(refusals, key=lambda refusal: refusal.smallest)
+    if lowest is refusals[0]:  # the step's own refusal says it all, its reasons included
         raise refusals[0]
+    # one smallest peak, the lower: the step's own refusal, which states the higher, is not chained
     requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
-    raise InfeasibleBudget(budget_bytes, smallest, fixed, prof.peak_above_params, requested,
-                           writing=[row.name for row in prof.rows if row.writes_input]) from refusals[0]
+    raise InfeasibleBudget(budget_bytes, lowest.smallest, fixed, prof.peak_above_params, requested,
+                           **lowest.reasons) from None

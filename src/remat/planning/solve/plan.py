@@ -66,7 +66,10 @@ class Plan:
     "ends": {module: bytes}, "last"}``): ``apply`` has those blocks prefetch ``ahead`` bytes, each module of
     ``drains`` wait, when its forward starts, until the copies in flight are within its bytes, each of ``ends`` when
     its forward ends (what the peak counts until the next block starts), and the ``last`` block wait for every copy
-    when its forward ends (:mod:`remat.policies.schedule`).
+    when its forward ends (:mod:`remat.policies.schedule`).  ``hold_output``: the training loop the predicted
+    peak assumes keeps the model's output alive until backward ends (``out = model(x); out.loss.backward()``, the
+    default); False: it lets go of the output once the loss is computed (``loss_fn(model(x)).backward()``).  A
+    plan file without it was made when profiles dropped the output, and loads as False.
     Everything is plain data: :meth:`save` writes it as JSON and :meth:`load` reads it back, ready to apply.
 
     Example:
@@ -87,6 +90,7 @@ class Plan:
     segments: list[list[str]] = field(default_factory=list)
     head_chunks: int = 0
     copies: dict[str, Any] = field(default_factory=dict)
+    hold_output: bool = True
 
     def __post_init__(self) -> None:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
@@ -102,7 +106,7 @@ class Plan:
             return policy.wrap, (decision, policy.to_dict())
         wrap = self._wrappers.get(name) or _WRAPPERS.get(decision)
         if wrap is None:
-            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on {name}: a plan loaded from "
+            raise ValueError(f"remat.Plan.apply: no way to install {decision!r} on `{name}`: a plan loaded from "
                              "JSON knows only the built-in options and op-level policies; rebuild it from the "
                              "profile and options.")
         return wrap, (decision, None)
@@ -246,7 +250,7 @@ class Plan:
         problem = _malformed(data)
         if problem:
             raise PlanFileError(_not_a_plan(path, problem))
-        return cls(**data)
+        return cls(**{"hold_output": False, **data})  # older files: their profiles dropped the output
 
     def __str__(self) -> str:
         counts: dict[str, int] = {}
@@ -288,6 +292,8 @@ class Plan:
             f"{format_bytes(above)} above parameters vs {format_bytes(base_above)} without a plan); "
             f"predicted extra time {self.predicted_extra_time * 1e3:.1f} ms per step"
             + (f" (+{self.predicted_extra_time / self.step_time:.0%})" if self.step_time else "")
+            + (". Peaks are for a loop that holds the model's output until backward ends." if self.hold_output else
+               ". Peaks are for a loop that lets go of the model's output once the loss is computed.")
         )
         return "\n".join(lines)
 
@@ -295,7 +301,7 @@ class Plan:
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "decisions": dict, "predicted_peak": int, "predicted_extra_time": (int, float), "budget": int,
     "baseline_peak": int, "param_bytes": int, "step_time": (int, float), "meta": dict, "policies": dict,
-    "blocks": dict, "segments": list, "head_chunks": int, "copies": dict,
+    "blocks": dict, "segments": list, "head_chunks": int, "copies": dict, "hold_output": bool,
 }
 
 
@@ -314,8 +320,9 @@ def _malformed(data: Any) -> str:
         return f"no field {missing[0]!r}"
     for name, value in data.items():
         expected = _FIELD_TYPES[name]
-        if not isinstance(value, expected) or isinstance(value, bool):
-            wanted = {dict: "an object", int: "an integer", list: "an array"}.get(expected, "a number")
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+            wanted = {dict: "an object", int: "an integer", list: "an array", bool: "true or false"}.get(expected,
+                                                                                                      "a number")
             return f"field {name!r} is {json.dumps(value)[:20]}, not {wanted}"
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["decisions"].items()):
         return "'decisions' must map module names to options"
@@ -424,15 +431,15 @@ def _mismatch(plan: Plan, model: nn.Module) -> str:
         expected = plan.meta.get("blocks", {}).get(name)
         if block is None:
             kind = f"{_short(expected['class'])} " if expected else ""
-            return f"the plan's {kind}block {name} is not in this {model_name}{_count_hint(model, plan)}"
+            return f"the plan's {kind}block `{name}` is not in this {model_name}{_count_hint(model, plan)}"
         if expected is None:
             continue
         if expected["class"] != _class_name(block):
-            return f"block {name} is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
+            return f"block `{name}` is a {type(block).__name__} here and a {_short(expected['class'])} in the plan"
         shapes = _shapes(block)
         if shapes != expected["params"]:
             difference = _first_difference(shapes, expected["params"])
-            return f"block {name} has other parameters than in the plan ({difference})"
+            return f"block `{name}` has other parameters than in the plan ({difference})"
     return ""
 
 
@@ -442,7 +449,8 @@ def _count_hint(model: nn.Module, plan: Plan) -> str:
     if not present:
         return ""
     found = _same_kind(model, present)
-    return f" (it has {len(found)} such blocks, the plan {len(plan.decisions)})"
+    kinds = list(dict.fromkeys(type(_unwrapped(_find(model, name))).__name__ for name in found))
+    return f" (it has {len(found)} {'/'.join(kinds)} blocks, the plan {len(plan.decisions)})"
 
 
 def _first_difference(here: dict[str, str], planned: dict[str, str]) -> str:

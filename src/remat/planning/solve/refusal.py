@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ..basics.units import format_bytes
 
@@ -21,13 +22,23 @@ class InfeasibleBudget(ValueError):
 
     ``budget`` and ``smallest`` are whole-step peaks in bytes (parameters and buffers included, as
     ``Plan.predicted_peak``); ``smallest`` is the lowest peak any plan reaches. The message states both above
-    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.  ``writing``
-    names the blocks that write in place to their inputs, which no region may start at.
+    parameters as well, the terms a fractional budget such as ``0.5`` or ``"50%"`` is given in.  Its advice is
+    only what lowers that peak: ``writing`` names the blocks that write in place to their inputs, which no region
+    may start at, ``in_place`` the layers among them built to (``nn.ReLU(inplace=True)``), and ``unwritten`` the
+    smallest peak were they not to (None: not lower, so no advice about them); ``nothing_frees``: no option of the
+    blocks frees memory, and ``chained``: runs of them as one region were weighed too, so larger blocks made of
+    them would free no more; ``unavailable``: a sentence on the options asked for that this device cannot have.
+    ``reasons`` holds these, to state them again for another budget or smallest peak.
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
-                 requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = ()) -> None:
+                 requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = (),
+                 in_place: Sequence[str] = (), unwritten: int | None = None, unavailable: str = "",
+                 chained: bool = False) -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
+        self.reasons: dict[str, Any] = {"nothing_frees": nothing_frees, "writing": tuple(writing),
+                                        "in_place": tuple(in_place), "unwritten": unwritten,
+                                        "unavailable": unavailable, "chained": chained}
         asked = ""
         if isinstance(requested, float):
             asked = f"{requested:.0%} came to "
@@ -46,16 +57,39 @@ class InfeasibleBudget(ValueError):
             return f"{format_bytes(above)} above parameters{share} ({whole} whole step)"
 
         advice = "Raise the budget to at least that, or reduce the batch / sequence length."
-        if nothing_frees:  # every option of these blocks keeps what it would free: larger blocks may not
+        lowered = unwritten is not None and unwritten < smallest
+        if nothing_frees and not lowered and chained:
+            advice = ("No option of these blocks frees memory, nor any run of them as one region: reduce the batch / "
+                      "sequence length.")
+        elif nothing_frees and not lowered:  # every option keeps what it would free; larger blocks may free some
             advice = ("No option of these blocks frees memory (a block checkpointed alone keeps its inputs, all "
                       "that a single layer saves); name larger blocks with modules=[...], or reduce the batch / "
                       "sequence length.")
-        if writing:
-            shown = ", ".join(writing[:3]) + (f" and {len(writing) - 3} more" if len(writing) > 3 else "")
-            advice = (f"{shown} write in place to their inputs, so none can be checkpointed on its own (it would "
-                      "rerun from the written input): write to a copy in their forward (x = x.clone()), or name "
-                      f"larger blocks with modules=[...]. {advice if not nothing_frees else ''}").rstrip()
+        if lowered:
+            advice = f"{advice[:-1]}, {_unwriting(writing, in_place, both(unwritten))}."
+        if unavailable:
+            advice = f"{unavailable} {advice}"
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
             f"{both(smallest)}. {advice}"
         )
+
+
+def _unwriting(writing: Sequence[str], in_place: Sequence[str], smallest: str) -> str:
+    """The advice that lets regions start at the blocks that write in place to their inputs, and what it gives."""
+    # a block with no in-place layer of its own writes in its forward's code
+    by_code = [name for name in writing if not any(layer == name or layer.startswith(f"{name}.")
+                                                   for layer in in_place)]
+    fixes = []
+    if in_place:
+        fixes.append(f"build {_some(in_place)} with inplace=False")
+    if by_code:
+        fixes.append(f"write to a copy (x = x.clone()) in the forward of {_some(by_code)}")
+    return (f"or let regions start at the blocks that write in place to their inputs ({_some(writing)}): "
+            f"{' and '.join(fixes)}; the smallest peak would then be about {smallest}")
+
+
+def _some(names: Sequence[str]) -> str:
+    """Up to three module paths, quoted, and how many more."""
+    shown = ", ".join(f"`{name}`" for name in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -49,13 +49,14 @@ from __future__ import annotations
 import bisect
 import operator
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..basics.units import Budget, parse_budget
 from ..choices.baselines import rules
 from ..choices.chain import chain_options
 from ..choices.moves import cheaper_choices
-from ..choices.options import DEFAULT_ALLOW, BlockOption, copy_schedule, step_extra_time
+from ..choices.options import DEFAULT_ALLOW, BlockOption, copy_schedule, offloads_note, step_extra_time
 from ..choices.placement import cheaper_placement
 from ..measure.profile import StepProfile
 from .accounting import Accounting
@@ -92,7 +93,7 @@ def predict_peak(prof: StepProfile, decisions: Sequence[str], allow: Sequence[st
     for row, choices, name in zip(prof.rows, options, decisions):
         match = [o for o in choices if o.name == name and o.span == 1]
         if not match:
-            raise ValueError(f"remat.plan: {name!r} is not an option of {row.name}; it has "
+            raise ValueError(f"remat.plan: {name!r} is not an option of `{row.name}`; it has "
                              f"{sorted({o.name for o in choices if o.span == 1})}.")
         chosen.append(match[0])
     return _peak(prof, chosen)
@@ -293,6 +294,7 @@ def plan_from_profile(
         ...     print(plan_from_profile(prof, budget))
     """
     budget_bytes, requested = _resolve_budget(prof, budget)
+    built = options is None  # the built-in options: those the advice on blocks writing in place may rebuild
     options = _resolve_options(prof, allow, options)
     # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
     # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
@@ -304,10 +306,22 @@ def plan_from_profile(
     placed = _no_worse_than_rules(prof, budget_bytes, options, placed)
     if placed is None:
         smallest = _smallest_peak(prof, options)
+        writers = [row for row in prof.rows if row.writes_input]
         raise InfeasibleBudget(budget_bytes, smallest, prof.param_bytes + prof.buffer_bytes,
-                              prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes,
-                              writing=[row.name for row in prof.rows if row.writes_input])
+                               prof.peak_above_params, requested, nothing_frees=smallest >= prof.peak_bytes,
+                               writing=[row.name for row in writers],
+                               in_place=[name for row in writers for name in row.in_place_layers],
+                               unwritten=_unwritten_peak(prof, allow) if writers and built else None,
+                               unavailable="" if tuple(allow) == DEFAULT_ALLOW else offloads_note(prof, allow),
+                               chained=bool(prof.links) and all(prof.links) and "checkpoint" in allow)
     return plan_of(prof, placed, budget_bytes)
+
+
+def _unwritten_peak(prof: StepProfile, allow: Sequence[str]) -> int:
+    """The lowest peak any plan would reach were no block to write in place to its inputs (so regions may start
+    at them): what the refusal's advice to stop them gives, stated only where lower than the peak reached."""
+    unwritten = replace(prof, rows=[replace(row, writes_input=False) for row in prof.rows])
+    return _smallest_peak(unwritten, chain_options(unwritten, allow))
 
 
 def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget: int) -> Plan:
@@ -353,6 +367,7 @@ def plan_of(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], budget
         blocks=blocks,
         segments=segments,
         copies=copies,
+        hold_output=prof.hold_output,
     )
     result._wrappers = wrappers
     return result
