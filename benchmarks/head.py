@@ -4,8 +4,9 @@ Run by hand (CPU; a Hugging Face Llama built from a config, random weights, no d
 
     PYTHONPATH=src python benchmarks/head.py                       # vocab 32000, 4 x 256 layers, batch 4 x 512
     PYTHONPATH=src python benchmarks/head.py --vocab 2000 --seq 128 --batch 2 --layers 2 --hidden 32   # quick
+    PYTHONPATH=src python benchmarks/head.py --tables price --rounds 21   # the chunked head's price, checked
 
-Two tables:
+Three tables:
 
 * **head**: the output layer and loss alone on the model's shapes (last hidden state -> loss -> backward), for
   the unchunked head (transformers' ``ForCausalLMLoss``) and ``remat.chunked_lm_loss`` at several chunk counts:
@@ -14,6 +15,11 @@ Two tables:
 * **step**: one training step of the model (peak above parameters, MemTracker): plain; every layer
   checkpointed (``enable``); every layer checkpointed with the chunked head (``enable(chunked_loss=n)``); and
   the lowest peak any plan reaches from one ``remat.profile``, without the chunked-head option and with it.
+* **price**: the chunked head's extra time as ``remat.profile`` prices it (``prof.head.extra_time``) against
+  an interleaved A/B of whole training steps (``--rounds`` rounds, each the model as it is and a copy with
+  ``remat.chunk_lm_head`` back to back; the median of the rounds' differences and their interquartile range),
+  for two fixed models: GPT-2 (4 layers, n_embd 128, vocab 50257, batch 4 x 256) and Llama (4 layers, hidden
+  256, intermediate 688, vocab 32000, batch 2 x 256).
 """
 
 from __future__ import annotations
@@ -89,6 +95,52 @@ def step_rows(model: Any, ids: torch.Tensor, chunks: int) -> dict[str, int]:
     return out
 
 
+def price_row(name: str, rounds: int) -> dict[str, float]:
+    """The profile's price of the chunked head and the A/B's measured extra time (and its quartiles), seconds."""
+    import transformers
+
+    from remat.planning.measure.timing import Clock
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4,
+                                                                     vocab_size=50257, use_cache=False)).train()
+        ids = torch.randint(0, 50257, (4, 256))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, vocab_size=32000,
+            use_cache=False)).train()
+        ids = torch.randint(0, 32000, (2, 256))
+    prof = remat.profile(model, input_ids=ids, labels=ids, fresh_timings=True)
+    chunked = remat.chunk_lm_head(copy.deepcopy(model), prof.head.chunks)
+    clock = Clock("cpu")
+
+    def seconds(m: Any) -> float:
+        def step() -> None:
+            m.zero_grad(set_to_none=True)
+            m(input_ids=ids, labels=ids).loss.backward()
+        return clock.time(step)[1]
+
+    def difference() -> float:  # the two back to back, under one load
+        plain = seconds(model)
+        return seconds(chunked) - plain
+
+    difference()  # warm-up (and the chunked call's first-call probe)
+    differences = sorted(difference() for _ in range(rounds))
+    return {"predicted": prof.head.extra_time, "measured": statistics.median(differences),
+            "low": differences[len(differences) // 4], "high": differences[3 * len(differences) // 4],
+            "step": prof.step_time, "chunks": prof.head.chunks}
+
+
+def print_price(args: argparse.Namespace) -> None:
+    print(f"\nthe chunked head's extra time per step: predicted (remat.profile) vs measured ({args.rounds} rounds)")
+    print(f"{'model':>6} {'chunks':>6} {'step ms':>8} {'predicted ms':>13} {'measured ms':>12} {'quartiles ms':>16}")
+    for name in ("gpt2", "llama"):
+        row = price_row(name, args.rounds)
+        print(f"{name:>6} {row['chunks']:>6} {row['step'] * 1e3:>8.1f} {row['predicted'] * 1e3:>13.1f} "
+              f"{row['measured'] * 1e3:>12.1f} {row['low'] * 1e3:>7.1f}..{row['high'] * 1e3:<7.1f}")
+
+
 def print_head(tokens: int, args: argparse.Namespace) -> None:
     rows = head_rows(tokens, args.hidden, args.vocab, [int(c) for c in args.chunks.split(",")], args.rounds)
     base = rows[0]
@@ -121,7 +173,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--chunks", default="1,4,8,16,32", help="chunk counts of the head table")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tables", default="head,step", help="which tables to print: head, step or both")
+    parser.add_argument("--tables", default="head,step", help="which tables to print: head, step, price")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -130,6 +182,8 @@ def main() -> None:
         print_head(tokens, args)
     if "step" in args.tables:
         print_step(tokens, args)
+    if "price" in args.tables:
+        print_price(args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ chunking with its blocks' wrappers.
 """
 
 import copy
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import remat
 from remat.planning.basics.memory import measure_step
-from remat.planning.solve.head import head_chunk_count, plan_with_head
+from remat.planning.solve.head import NOT_ON_META, head_chunk_count, plan_with_head
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,3 +136,96 @@ def test_alternatives_include_the_chunked_head(profiled):
     assert plans[0].decisions == first.decisions and plans[0].head_chunks == first.head_chunks > 0
     assert [p.predicted_extra_time for p in plans] == sorted(p.predicted_extra_time for p in plans)
     assert all(p.predicted_peak <= p.budget for p in plans)
+
+
+def test_the_head_is_priced_as_what_its_forward_and_backward_add_to_the_unchunked_heads(monkeypatch):
+    """A scripted clock: the chunked head's forward and backward take 3.5 s, the unchunked head's 3 s (its
+    forward alone 1.5 s): the option adds 0.5 s, not its whole forward; where it is the faster, nothing."""
+    from remat.planning.solve import head as head_module
+
+    ran = {"chunked": False, "backward": False}
+    real_loss, real_backward = head_module.chunked_lm_loss, torch.Tensor.backward
+
+    def chunked_loss(*args, **kwargs):
+        ran["chunked"] = True
+        return real_loss(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        ran["backward"] = True
+        return real_backward(self, *args, **kwargs)
+
+    seconds = {(False, False): 1.0, (True, False): 1.5, (False, True): 3.0, (True, True): 3.5}
+
+    class ScriptedClock:
+        def __init__(self, device):
+            pass
+
+        def time(self, fn):
+            ran.update(chunked=False, backward=False)
+            result = fn()
+            return result, seconds[ran["chunked"], ran["backward"]], 0.0
+
+    monkeypatch.setattr(head_module, "chunked_lm_loss", chunked_loss)
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    monkeypatch.setattr(head_module, "Clock", ScriptedClock)
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, 16))
+    assert remat.profile(llama(), input_ids=ids, labels=ids, repeats=2).head.extra_time == pytest.approx(0.5)
+    seconds[True, True] = 2.5  # the chunked head the faster: priced as free, never as a saving
+    assert remat.profile(llama(), input_ids=ids, labels=ids, repeats=2).head.extra_time == 0.0
+
+
+def test_the_front_has_the_chunked_heads_plans(profiled):
+    _, _, prof = profiled
+    plan = prof.plan(0.3)
+    front = prof.front()  # at the rules' peaks, those with the chunked head among them
+    assert plan.head_chunks and any(point.head_chunks == plan.head_chunks for point in front.plans)
+    assert min(p.peak for p in front.plans) < min(p.peak for p in replace(prof, head=None).front().plans)
+    assert f"plan, head in {plan.head_chunks}" in str(front)
+    asked = prof.front(budgets=(0.3,)).plans  # the plan the planner picks is on the front (or beaten there)
+    assert any(p.peak <= plan.predicted_peak and p.extra_time <= plan.predicted_extra_time for p in asked)
+
+
+def test_price_includes_the_chunked_head_on_request(profiled):
+    _, _, prof = profiled
+    plan = prof.plan(0.3, allow=("checkpoint",))
+    assert plan.head_chunks
+    priced = prof.price({name: d for name, d in plan.decisions.items() if d != "keep"}, head=True)
+    assert priced.head_chunks == plan.head_chunks and priced.predicted_peak == plan.predicted_peak
+    assert priced.predicted_extra_time == pytest.approx(plan.predicted_extra_time)
+    assert priced.baseline_peak == prof.peak_bytes
+    plain = prof.price({name: d for name, d in plan.decisions.items() if d != "keep"})
+    assert plain.head_chunks == 0 and plain.predicted_peak > priced.predicted_peak
+    with pytest.raises(ValueError, match="this profile has no chunked head to price") as refused:
+        replace(prof, head=None).price({}, head=True)
+    assert "\n" not in str(refused.value)
+
+
+def test_alternatives_are_distinct_plans(profiled):
+    _, _, prof = profiled
+    plans = prof.alternatives(0.3, count=8)
+    choices = [(p.head_chunks, p.predicted_peak, round(p.predicted_extra_time, 12),
+                sorted((d, str(p.policies.get(n))) for n, d in p.decisions.items())) for p in plans]
+    assert all(a != b for i, a in enumerate(choices) for b in choices[i + 1:])
+
+
+def test_a_meta_profile_says_the_chunked_head_was_not_considered_and_why():
+    with torch.device("meta"):
+        model = llama()
+    ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the meta device's answered data checks, listed in the notes
+        prof = remat.profile(model, input_ids=ids, labels=ids, device="meta", ops=False)
+    assert prof.head is None and NOT_ON_META in prof.notes
+    with pytest.raises(remat.InfeasibleBudget) as refused:
+        prof.plan(0.3)  # on the CPU, only the chunked head reaches it
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith(
+        "On the meta device, the output layer and loss in chunks (remat.chunk_lm_head) were not considered: their "
+        "time cannot be measured without data; profile on real tensors (a smaller batch will do) to plan with them.")
+    ids = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with_loss_fn = remat.profile(model, input_ids=ids, labels=ids, device="meta", ops=False,
+                                     loss_fn=lambda out: out.loss)
+    assert NOT_ON_META not in with_loss_fn.notes  # no chunked head would apply: nothing to tell

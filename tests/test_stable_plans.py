@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import remat
-from remat.planning.measure import opgraph
+from remat.planning.measure import opgraph, overheads
 from remat.planning.measure.timecache import cache_dir
 
 _PLAN = """
@@ -130,8 +130,14 @@ def _scripted(monkeypatch, step_seconds: float, block_forward: float = 1e-3, spr
 
     monkeypatch.setattr(opgraph, "_time_block", time_block)
     monkeypatch.setattr(profile_module, "_time_steps", lambda *a: StepTime(step_seconds, step_spread))
+    monkeypatch.setattr(overheads, "_measure", lambda *a: (_OVERHEADS, 0.0))  # the machinery's, as scripted too
+    monkeypatch.setattr(overheads, "measure_overheads", lambda **k: _OVERHEADS)
     monkeypatch.setenv("REMAT_UNSTEADY_SPREAD", "0.1")
     return timed
+
+
+_OVERHEADS = overheads.Overheads(region=2e-4, per_saved=1e-5, policy_forward=3e-6, policy_replay=2e-6,
+                                 copy_per_byte=1e-10)
 
 
 def _profile():
@@ -165,6 +171,32 @@ def test_a_poisoned_cached_timing_is_caught_and_measured_again_with_one_line(mon
     assert [v["forward"] for v in _entries("ops|").values()] == [pytest.approx(1e-3)] * measured  # mended
 
 
+def test_poisoned_cached_overheads_are_caught_and_measured_again_with_one_line(monkeypatch):
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
+    _scripted(monkeypatch, step_seconds=10e-3)
+    fresh = _profile().plan(0.7, allow=("checkpoint",))
+    assert "checkpoint" in fresh.decisions.values()
+    entries = json.loads((cache_dir() / "timings.json").read_text())
+    for key, value in entries.items():  # every overhead cached 50 times what this machine measures
+        if key.startswith("overheads|"):
+            entries[key] = {name: figure * 50 for name, figure in value.items()}
+    (cache_dir() / "timings.json").write_text(json.dumps(entries))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = _profile()
+    stale = [w for w in caught if issubclass(w.category, remat.planning.measure.timecache.StaleTimings)]
+    assert len(stale) == 1 and stale[0].filename == __file__
+    message = str(stale[0].message)
+    assert "\n" not in message and message == (
+        "remat.profile: the cached overheads of the checkpoint machinery are not this machine's now (a region "
+        "saving 64 tensors costs 42.000 ms by them, 0.840 ms now); measuring them again.")
+    assert prof.plan(0.7, allow=("checkpoint",)).predicted_extra_time == pytest.approx(fresh.predicted_extra_time)
+    assert [overheads.Overheads(**v) for v in _entries("overheads|").values()] == [_OVERHEADS]  # mended
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # mended: no second line
+        _profile()
+
+
 def test_no_timing_from_an_unsteady_round_is_cached(monkeypatch):
     timed = _scripted(monkeypatch, step_seconds=10e-3, spread=0.5)
     with warnings.catch_warnings():
@@ -195,3 +227,22 @@ def test_a_plan_prints_the_share_of_the_step_its_prices_came_from(monkeypatch):
         moved = _profile()
     assert timed and moved.step_time == pytest.approx(40e-3)
     assert [v["seconds"] for v in _entries("step|").values()] == [pytest.approx(40e-3)]
+
+
+def test_a_cached_link_to_host_memory_is_checked_too(monkeypatch):
+    from dataclasses import asdict, replace
+
+    from remat.planning.measure.timecache import StaleTimings, TimingCache
+
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limit, which this test checks
+    linked = replace(_OVERHEADS, link_bytes_per_s=20e9)  # an accelerator's, as scripted
+    monkeypatch.setattr(overheads, "_measure", lambda *a: (_OVERHEADS, 0.0))
+    monkeypatch.setattr(overheads, "_link_bandwidth", lambda *a: linked.link_bytes_per_s)
+    cache = TimingCache(None, fresh=False)
+    cache.put("overheads", "", "cpu", asdict(linked))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert overheads.cached_overheads(cache, "cpu") == linked  # agrees: kept, no line
+    cache.put("overheads", "", "cpu", asdict(replace(linked, link_bytes_per_s=0.4e9)))  # 50 times too slow
+    with pytest.warns(StaleTimings, match=r"\(a copy of 4\.0 MiB to host memory costs 10\.486 ms by them, 0\.210 ms "):
+        assert overheads.cached_overheads(cache, "cpu") == linked

@@ -31,8 +31,17 @@ from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
 from .solve.alternatives import plan_for
-from .solve.head import HeadOption, alternatives_with_head, measure_head, plan_with_head
+from .solve.head import (
+    NOT_ON_META,
+    HeadOption,
+    alternatives_with_head,
+    head_applies,
+    measure_head,
+    plan_with_head,
+    price_with_head,
+)
 from .solve.plan import Plan, describe_model
+from .solve.refusal import InfeasibleBudget
 from .solve.rulefront import Front, front
 
 __all__ = ["Profile", "SummedLossWarning", "check_inputs", "forward_mismatch", "plan", "profile", "refuse_checkpointed"]
@@ -82,7 +91,8 @@ class Profile(StepProfile):
             >>> prof = remat.profile(model, input_ids=ids, labels=ids)
             >>> plans = {b: prof.plan(b) for b in (0.3, 0.5, 0.7)}
         """
-        made = plan_with_head(self, self.head, budget, allow)  # a refusal says it in its line
+        with self._no_head_told():
+            made = plan_with_head(self, self.head, budget, allow)  # a refusal says it in its line
         _warn_unavailable(self, allow)
         return self._for_this_model(made)
 
@@ -97,20 +107,33 @@ class Profile(StepProfile):
             >>> for p in prof.alternatives("50%", count=3):
             ...     assert remat.check_plan(model, p, x, loss_fn=loss_fn).holds
         """
-        made = alternatives_with_head(self, self.head, budget, count, allow)
+        with self._no_head_told():
+            made = alternatives_with_head(self, self.head, budget, count, allow)
         _warn_unavailable(self, allow)
         return [self._for_this_model(p) for p in made]
 
-    def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = ()) -> Plan:
+    def price(self, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = (), head: bool = False) -> Plan:
         """The plan that takes ``decisions`` (block name to option; blocks not named are kept) and runs each of
         ``segments`` as one region, with its predicted peak and extra time
-        (:func:`~remat.planning.solve.alternatives.plan_for`).
+        (:func:`~remat.planning.solve.alternatives.plan_for`); ``head=True``: with the output layer and loss in
+        chunks as well, as the profile's chunked-head plans have it (``self.head``).
 
         Example:
             >>> every_other = prof.price({"blocks.0": "checkpoint", "blocks.2": "checkpoint"})
             >>> every_other.predicted_peak, every_other.predicted_extra_time
         """
-        return self._for_this_model(plan_for(self, decisions, segments))
+        made = price_with_head(self, self.head, decisions, segments) if head else plan_for(self, decisions, segments)
+        return self._for_this_model(made)
+
+    @contextlib.contextmanager
+    def _no_head_told(self) -> Iterator[None]:
+        """A refusal says the chunked head was not considered where the profile notes so (the meta device)."""
+        try:
+            yield
+        except InfeasibleBudget as refused:
+            if NOT_ON_META in self.notes:
+                refused.args = (f"{refused.args[0]} {NOT_ON_META[0].upper()}{NOT_ON_META[1:]}.", *refused.args[1:])
+            raise
 
     def _for_this_model(self, made: Plan) -> Plan:
         made.meta = {**self.model_meta, **made.meta}
@@ -118,13 +141,14 @@ class Profile(StepProfile):
 
     def front(self, budgets: Sequence[Budget | int | float | str] = (), allow: Sequence[str] | None = None) -> Front:
         """remat's plans beside the rules people checkpoint by (every-k spread for each n, every block,
-        offloaded inputs), each as predicted peak and extra time (:mod:`remat.planning.solve.rulefront`).
+        offloaded inputs), each as predicted peak and extra time (:mod:`remat.planning.solve.rulefront`); remat's
+        plans as :meth:`plan` makes them, with the chunked head where the profile has it.
 
         Example:
             >>> print(prof.front(budgets=("50%", "30%")))
         """
         _warn_unavailable(self, allow)
-        return front(self, budgets) if allow is None else front(self, budgets, allow)
+        return front(self, budgets, DEFAULT_ALLOW if allow is None else allow, self.head)
 
 
 def _warn_unavailable(prof: StepProfile, allow: Sequence[str] | None) -> None:
@@ -234,6 +258,8 @@ def profile(
         result.ops = None
         if head is not None:
             head.profile.ops = None
+    if on_meta is not None and head_applies(model, example_inputs, kwargs, loss_fn is not None):
+        result.notes.append(NOT_ON_META)
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")

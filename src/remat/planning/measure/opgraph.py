@@ -62,7 +62,7 @@ from ..basics.ranks import gathered
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
-from .overheads import Overheads, measure_overheads
+from .overheads import Overheads, cached_overheads
 from .saved import Held, SavedTensorGone, Unheld
 from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
@@ -526,10 +526,7 @@ def profile_ops(
             # an FSDP2 block's parameters gathered by every rank before the lock: its timed runs are this rank's own
             with gathered(_timed_modules(records, estimated)), timings_cache() as cache:
                 if overheads is None:
-                    cached = cache.get("overheads", "", device)
-                    overheads = Overheads(**cached) if cached else measure_overheads(device=device)
-                    if not cached:
-                        cache.put("overheads", "", device, dataclasses.asdict(overheads))
+                    overheads = cached_overheads(cache, device)
                     if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
                         overheads = replace(overheads, copy_per_byte=2 / bandwidth)
                 graphs, step_time = _graphs(records, estimated, overheads, repeats, measure_policy, cache, device,

@@ -4,21 +4,34 @@ The machinery is Python on the host: its costs are measured once per process on 
 where the dispatch cost shows (the CPU's clock is the host's).  Copies run on the model's device and are
 timed there (:class:`~remat.planning.measure.timing.Clock`).  The price model
 (:mod:`remat.planning.measure.prices`) adds the host costs where the device waits for them.
+
+The timings file keeps them per machine (:mod:`remat.planning.measure.timecache`), and like the cached op
+timings they are checked before they are used: :func:`cached_overheads` measures a few quick rounds and
+measures them again, with one :class:`~remat.planning.measure.timecache.StaleTimings` line, where the cached
+figures are not this machine's now.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ...api.checkpoint import checkpoint
 from ..basics.blockpolicy import BlockPolicy, OpDecision
-from .timing import Clock
+from ..basics.units import format_bytes
+from ..basics.userline import user_stacklevel
+from .timecache import StaleTimings, TimingCache, stale_slack
+from .timing import Clock, spread
 
-__all__ = ["Overheads", "measure_overheads"]
+__all__ = ["Overheads", "cached_overheads", "measure_overheads"]
+
+_CHECK_ROUNDS = 5  # the quick rounds that check cached figures: milliseconds
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,80 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
     Example:
         >>> measure_overheads().policy_forward  # seconds per op, some microseconds
     """
+    return _measured_now(rounds, ops, copy_bytes, device)
+
+
+def cached_overheads(cache: TimingCache, device: str, ops: int = 64, copy_bytes: int = 4 << 20) -> Overheads:
+    """The overheads ``cache`` keeps for ``device``, checked against the fastest of a few quick rounds; measured
+    (:func:`measure_overheads`) and kept where none are kept or where the kept ones are not this machine's now
+    (one :class:`~remat.planning.measure.timecache.StaleTimings` line).
+
+    Each figure the rounds measure (a region saving ``ops`` tensors, ``ops`` ops under a policy, a copy of
+    ``copy_bytes`` on the device and to host memory) may be apart from the kept one by
+    :func:`~remat.planning.measure.timecache.stale_slack`.
+
+    Example:
+        >>> with timings_cache() as cache:
+        ...     overheads = cached_overheads(cache, "cpu")
+    """
+    kept = cache.get("overheads", "", device)
+    if kept:
+        try:
+            cached = Overheads(**kept)
+        except TypeError:  # written by another version: measured over
+            cached = None
+        if cached is not None:
+            reason = _moved(cached, device, ops, copy_bytes)
+            if not reason:
+                return cached
+            warnings.warn(StaleTimings(f"remat.profile: the cached overheads of the checkpoint machinery are not "
+                                       f"this machine's now ({reason}); measuring them again."),
+                          stacklevel=user_stacklevel())
+    # measured again where stale: this process's own measurement may be the busy one
+    measured = measure_overheads(device=device) if not kept else _measured_now(15, ops, copy_bytes, device)
+    cache.put("overheads", "", device, dataclasses.asdict(measured))
+    return measured
+
+
+def _measured_now(rounds: int, ops: int, copy_bytes: int, device: str) -> Overheads:
+    measured, _ = _measure(rounds, ops, copy_bytes, device)
+    block = torch.ones(copy_bytes // 4, device=device)
+    return dataclasses.replace(measured, link_bytes_per_s=_link_bandwidth(block, Clock(device), rounds))
+
+
+def _moved(cached: Overheads, device: str, ops: int, copy_bytes: int) -> str:
+    """How the cached figures differ from the same figures measured now, in a phrase ('' where they agree)."""
+    slack = stale_slack(0.0)
+    if slack == float("inf"):  # never stale: nothing to measure
+        return ""
+    # The fastest of each step's rounds: load only slows a round, so a busy moment now leaves quiet figures be,
+    # while figures from a busy round (or another machine) stand apart.
+    now, rounds_spread = _measure(_CHECK_ROUNDS, ops, copy_bytes, device, min)
+    if cached.link_bytes_per_s > 0:  # an accelerator's link to host memory
+        block = torch.ones(copy_bytes // 4, device=device)
+        now = dataclasses.replace(now, link_bytes_per_s=_link_bandwidth(block, Clock(device), _CHECK_ROUNDS))
+    slack = stale_slack(rounds_spread)
+    floor = 1e-6  # figures below a microsecond are noise either way
+    for (what, kept), (_, fresh) in zip(_figures(cached, ops, copy_bytes), _figures(now, ops, copy_bytes)):
+        ratio = max(kept, floor) / max(fresh, floor)
+        if not 1 / (1 + slack) <= ratio <= 1 + slack:
+            return f"{what} costs {kept * 1e3:.3f} ms by them, {fresh * 1e3:.3f} ms now"
+    return ""
+
+
+def _figures(o: Overheads, ops: int, copy_bytes: int) -> list[tuple[str, float]]:
+    """The seconds the overheads give for whole pieces of work, each as measurable as the rounds' steps."""
+    return [(f"a region saving {ops} tensors", o.region + ops * o.per_saved),
+            (f"{ops} ops under a policy (forward and replay)", ops * (o.policy_forward + o.policy_replay)),
+            (f"a copy of {format_bytes(copy_bytes)}", o.copy_per_byte * copy_bytes),
+            (f"a copy of {format_bytes(copy_bytes)} to host memory",
+             copy_bytes / o.link_bytes_per_s if o.link_bytes_per_s > 0 else 0.0)]
+
+
+def _measure(rounds: int, ops: int, copy_bytes: int, device: str,
+             statistic: Callable[[list[float]], float] = statistics.median) -> tuple[Overheads, float]:
+    """:class:`Overheads` (no link) from ``statistic`` (the median) of each step's ``rounds`` interleaved
+    rounds, and the largest spread of their steps."""
     x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
     sin = torch.ops.aten.sin.default
     # A policy whose table holds the op (so every call is counted) but keeps no call of it.
@@ -101,7 +188,8 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
             samples["recorder"].append(recorded)
             samples["replayer"].append(replayed)
     x.grad = None
-    t = {label: statistics.median(values) for label, values in samples.items()}
+    t = {label: statistic(values) for label, values in samples.items()}
+    largest_spread = max(spread(values) for values in samples.values())
     # A checkpointed chain of n ops recomputes n - 1 of them: the last op's saved input is its last pack.
     extra_short = t["short_ckpt"] - t["short"]
     extra_long = t["long_ckpt"] - t["long"] - t["forward"] * (ops - 1) / ops
@@ -112,8 +200,7 @@ def measure_overheads(rounds: int = 15, ops: int = 64, copy_bytes: int = 4 << 20
         policy_forward=max((t["recorder"] - t["forward"]) / ops, 0.0),
         policy_replay=max((t["replayer"] - t["forward"]) / ops, 0.0),
         copy_per_byte=t["copy"] / copy_bytes,
-        link_bytes_per_s=_link_bandwidth(block, copy_clock, rounds),
-    )
+    ), largest_spread
 
 
 def _link_bandwidth(block: torch.Tensor, clock: Clock, rounds: int) -> float:

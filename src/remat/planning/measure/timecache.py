@@ -47,7 +47,7 @@ import torch
 from ..basics.userline import user_stacklevel
 
 __all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times", "measuring_afresh",
-           "model_key", "stale", "timings_cache"]
+           "model_key", "stale", "stale_slack", "timings_cache"]
 
 _VERSION = 3  # 3: unsteady timings are not written; a model's step time is kept beside its blocks' timings
 
@@ -83,7 +83,7 @@ def stale(cached_forward: float, step: StepTime, entry: dict[str, float] | None)
         >>> stale(0.357 * 12, StepTime(0.2), None)
         "their blocks' forwards add up to 4284.0 ms, more than this process's whole training step (200.0 ms)"
     """
-    slack = max(float(os.environ.get("REMAT_STALE_SPREAD", STALE)), step.spread + (entry or {}).get("spread", 0.0))
+    slack = stale_slack(step.spread + (entry or {}).get("spread", 0.0))
     if cached_forward > step.seconds * (1 + slack):
         return (f"their blocks' forwards add up to {cached_forward * 1e3:.1f} ms, more than this process's whole "
                 f"training step ({step.seconds * 1e3:.1f} ms)")
@@ -93,6 +93,19 @@ def stale(cached_forward: float, step: StepTime, entry: dict[str, float] | None)
             return (f"the training step measured with them took {entry['seconds'] * 1e3:.1f} ms, this process's "
                     f"{step.seconds * 1e3:.1f} ms")
     return ""
+
+
+def stale_slack(spread: float) -> float:
+    """How far apart (a share) a cached time and this process's may be: :data:`STALE` (or
+    ``REMAT_STALE_SPREAD``), or ``spread``, the rounds' own spread, where larger.
+
+    Example:
+        >>> stale_slack(0.8)
+        0.8
+    """
+    return max(float(os.environ.get("REMAT_STALE_SPREAD", STALE)), spread)
+
+
 _fresh = contextvars.ContextVar("remat_fresh_timings", default=False)
 
 

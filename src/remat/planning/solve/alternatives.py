@@ -4,8 +4,10 @@ The solver returns one plan, the cheapest its prices find; on a machine whose ti
 may be the one another run picks.  :func:`plans_near` lists the cheapest distinct plans that fit a budget, so a
 user (or a test) can check more than the one plan the timings happened to pick: the solver's own, then for
 each block it did not keep, the cheapest plan that fits without that block's option there (one exclusion at a
-time, then of the runners-up found, until ``count`` are found).  :func:`plan_for` prices and returns the plan of
-an assignment given by name (``{"blocks.0": "checkpoint", ...}``, runs of blocks as ``segments``).
+time, then of the runners-up found, until ``count`` are found).  Alike blocks taking the same choices in
+another order, at the same predicted peak and time, are one plan (:func:`distinct_plans`).
+:func:`plan_for` prices and returns the plan of an assignment given by name (``{"blocks.0": "checkpoint", ...}``,
+runs of blocks as ``segments``).
 
 Example:
     >>> prof = remat.profile(model, x, loss_fn=loss_fn)
@@ -16,7 +18,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..basics.units import Budget
 from ..choices.chain import chain_options
@@ -25,9 +28,10 @@ from ..measure.profile import StepProfile
 from .plan import Plan
 from .solver import cheapest, plan_from_profile, plan_of
 
-__all__ = ["plan_for", "plans_near"]
+__all__ = ["distinct_plans", "plan_for", "plans_near"]
 
 _Placed = list[tuple[int, BlockOption]]
+_SEARCHED = 16  # placements searched per plan asked for at most: alike blocks' orders must not run on
 
 
 def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int = 5,
@@ -45,8 +49,9 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
     best = cheapest(prof, first.budget, options)
     assert best is not None  # plan_from_profile found it
     found: dict[tuple, _Placed] = {_key(best): best}
+    kinds = {_kind(best)}  # the same choices placed otherwise among alike blocks: one plan to a user
     frontier = [best]
-    while frontier and len(found) < count:
+    while frontier and len(kinds) < count and len(found) < _SEARCHED * count:
         runners_up = []
         for placed in frontier:
             for p, option in placed:
@@ -57,16 +62,33 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
                 other = cheapest(prof, first.budget, without)
                 if other is not None and _key(other) not in found:
                     found[_key(other)] = other
+                    kinds.add(_kind(other))
                     runners_up.append(other)
         frontier = sorted(runners_up, key=_extra_time)
     others = [plan_of(prof, placed, first.budget) for placed in found.values()]
-    seen = {_shape(first)}
-    ranked = [first]
-    for plan in sorted(others, key=lambda p: (p.predicted_extra_time, p.predicted_peak)):
-        if _shape(plan) not in seen:  # the solver's first may be a rule that equals one found here
-            seen.add(_shape(plan))
-            ranked.append(plan)
-    return ranked[:count]
+    # the solver's first may be a rule that equals one found here
+    return distinct_plans([first, *sorted(others, key=lambda p: (p.predicted_extra_time, p.predicted_peak))])[:count]
+
+
+def distinct_plans(plans: Iterable[Plan]) -> list[Plan]:
+    """``plans`` in their order, each once: a plan that makes the same choices as an earlier one (the same option
+    and policy, as many times; the same chunked head and segment lengths) at the same predicted peak and time is
+    left out, whichever of alike blocks takes which choice.
+
+    Example:
+        >>> len(distinct_plans([plan, plan]))
+        1
+    """
+    seen, kept = set(), []
+    for plan in plans:
+        choices = sorted((decision, json.dumps(plan.policies.get(name), sort_keys=True, default=str))
+                         for name, decision in plan.decisions.items())
+        key = (plan.head_chunks, plan.predicted_peak, round(plan.predicted_extra_time, 12), tuple(choices),
+               tuple(sorted(len(run) for run in plan.segments)))
+        if key not in seen:
+            seen.add(key)
+            kept.append(plan)
+    return kept
 
 
 def plan_for(prof: StepProfile, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = (),
@@ -118,6 +140,5 @@ def _extra_time(placed: _Placed) -> float:
     return sum(o.extra_time for _, o in placed)
 
 
-def _shape(plan: Plan) -> str:
-    return repr((sorted(plan.decisions.items()), plan.segments, sorted(plan.policies.items(), key=lambda kv: kv[0])))
-
+def _kind(placed: _Placed) -> tuple:
+    return tuple(sorted((o.name, o.span, o.kept, o.extra_time) for _, o in placed))

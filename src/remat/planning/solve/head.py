@@ -4,8 +4,10 @@ When every layer is checkpointed, what is left of a causal LM's step peak is mos
 the logits, log-softmax's float32 output and their gradient.  No block option touches them.  For a Hugging
 Face causal LM profiled with ``labels`` (its own loss), :func:`measure_head` measures the step's memory
 timeline once more with the loss chunked: the blocks run as before, only the stretches around the head change,
-so the chain's cost model holds with that timeline in place of the first.  The option's extra time is the
-chunked head's forward, timed on the profiled shapes: backward computes every chunk's logits and loss once more.
+so the chain's cost model holds with that timeline in place of the first.  The option's extra time is what the
+chunked head adds to the unchunked one on the profiled shapes, each timed forward and backward in interleaved
+rounds: backward computes every chunk's logits once more, but no step holds the whole logits, their float32
+copy or their gradient, whose writes the unchunked head pays for (on the CPU, about half of its forward).
 
 :func:`plan_with_head` solves the budget on both timelines and keeps the cheaper plan that fits; a budget only
 the chunked head reaches is planned with it instead of refused.  The plan records the chunk count
@@ -15,24 +17,31 @@ the chunked head reaches is planned with it instead of refused.  The plan record
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...api.chunkedhead import chunk_lm_head, lm_head_chunks, lm_head_refusal, unchunk_lm_head
-from ...api.chunkedloss import chunked_lm_loss
+from ...api.chunkedloss import chunked_lm_loss, shift_labels
 from ..basics.units import Budget, parse_budget
 from ..choices.options import DEFAULT_ALLOW
 from ..measure.profile import StepProfile, _assemble
 from ..measure.timeline import _trace
 from ..measure.timing import Clock
-from .alternatives import plans_near
+from .alternatives import distinct_plans, plan_for, plans_near
 from .plan import Plan
 from .solver import InfeasibleBudget, plan_from_profile
 
-__all__ = ["HeadOption", "alternatives_with_head", "head_chunk_count", "measure_head", "plan_with_head"]
+__all__ = ["NOT_ON_META", "HeadOption", "alternatives_with_head", "head_applies", "head_chunk_count", "measure_head",
+           "plan_with_head", "price_with_head"]
+
+NOT_ON_META = ("on the meta device, the output layer and loss in chunks (remat.chunk_lm_head) were not considered: "
+               "their time cannot be measured without data; profile on real tensors (a smaller batch will do) to "
+               "plan with them")
+"""A meta profile's note where the chunked head would apply, added to its refusals too."""
 
 
 @dataclass
@@ -58,21 +67,30 @@ def head_chunk_count(tokens: int, features: int) -> int:
     return max(1, min(tokens, -(-3 * tokens // (2 * features))))
 
 
+def head_applies(model: nn.Module, example_inputs: tuple, example_kwargs: dict, custom_loss: bool) -> bool:
+    """Whether a profile of ``model(*example_inputs, **example_kwargs)`` has the chunked-head option: a Hugging
+    Face causal LM in training mode, called with ``labels`` and profiled with its own loss (``custom_loss``
+    False), not already chunked, whose loss on that call :func:`remat.chunk_lm_head` shows to be the chunked one
+    (on the meta device, its structure only).
+
+    Example:
+        >>> head_applies(model, (), {"input_ids": ids, "labels": ids}, custom_loss=False)
+        True
+    """
+    return (not custom_loss and example_kwargs.get("labels") is not None and model.training
+            and lm_head_chunks(model) is None and not lm_head_refusal(model, *example_inputs, **example_kwargs))
+
+
 def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, blocks: list[tuple[str, nn.Module]],
                  custom_loss: bool, prof: StepProfile, repeats: int) -> HeadOption | None:
-    """The chunked-head option of a profiled step, or None where it does not apply.
-
-    It applies to a Hugging Face causal LM in training mode, profiled with ``labels`` and its own loss (no
-    ``loss_fn``), not already chunked, whose loss on the profiled call :func:`remat.chunk_lm_head` shows to be
-    the chunked one.
+    """The chunked-head option of a profiled step, or None where it does not apply (:func:`head_applies`).
 
     Example:
         >>> option = measure_head(model, (), {"input_ids": ids, "labels": ids}, blocks, False, prof, 5)
     """
-    labels = example_kwargs.get("labels")
-    if (custom_loss or labels is None or not model.training or lm_head_chunks(model) is not None
-            or lm_head_refusal(model, *example_inputs, **example_kwargs)):
+    if not head_applies(model, example_inputs, example_kwargs, custom_loss):
         return None
+    labels = example_kwargs["labels"]
     head = model.get_output_embeddings()
     chunks = head_chunk_count(labels.numel(), head.in_features)
     inputs = [t for t in (*example_inputs, *example_kwargs.values()) if isinstance(t, torch.Tensor)]
@@ -97,23 +115,44 @@ def measure_head(model: nn.Module, example_inputs: tuple, example_kwargs: dict, 
         row.region_time, row.tail_time = measured.region_time, measured.tail_time
     chunked = replace(chunked, ops=prof.ops, links=list(prof.links), notes=list(prof.notes),
                       estimated_time=prof.estimated_time, hold_output=prof.hold_output)
-    return HeadOption(chunks, chunked, _head_time(head, labels, chunks, repeats))
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return HeadOption(chunks, chunked, _head_time(head, labels, chunks, softcap, repeats))
 
 
-def _head_time(head: nn.Linear, labels: torch.Tensor, chunks: int, repeats: int) -> float:
-    """Device seconds of the chunked head's forward on the profiled shapes: what its backward adds."""
-    gen = torch.Generator(device=head.weight.device).manual_seed(0)
-    hidden = torch.randn(labels.numel(), head.in_features, generator=gen, device=head.weight.device,
-                         dtype=head.weight.dtype)
-    targets = labels.reshape(-1)
-    clock = Clock(str(head.weight.device))
+def _head_time(head: nn.Linear, labels: torch.Tensor, chunks: int, softcap: float | None, repeats: int) -> float:
+    """Device seconds the chunked head adds to a step: its forward and backward on the profiled shapes less the
+    unchunked head's, the median over rounds of each round's difference.  Never below zero: where the chunked head
+    is the faster (on the CPU, a large vocabulary's logits cost more to write than to compute again) it is priced
+    as free, so that plans do not follow a saving within the timings' noise."""
+    device = head.weight.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(labels.numel(), head.in_features, generator=gen, device=device, dtype=head.weight.dtype,
+                         requires_grad=True)
+    leaves = [hidden, *(p.detach().requires_grad_() for p in (head.weight, head.bias) if p is not None)]
+    weight, bias = leaves[1], (leaves[2] if len(leaves) > 2 else None)
+    targets = shift_labels(labels).reshape(-1)
+    clock = Clock(str(device))
 
-    def forward() -> torch.Tensor:
-        return chunked_lm_loss(hidden, head.weight, targets, head.bias, chunks=chunks, shift=False)
+    def unchunked() -> None:
+        logits = F.linear(hidden, weight, bias)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        F.cross_entropy(logits.float(), targets).backward()
 
-    with torch.no_grad():
-        forward()  # warm-up
-        return statistics.median(clock.time(forward)[1] for _ in range(max(1, repeats)))
+    def chunked() -> None:
+        chunked_lm_loss(hidden, weight, targets, bias, chunks=chunks, softcap=softcap, shift=False).backward()
+
+    def seconds(step: Callable[[], None]) -> float:
+        for leaf in leaves:
+            leaf.grad = None
+        return clock.time(step)[1]
+
+    def difference() -> float:  # the two back to back, under one load
+        plain = seconds(unchunked)
+        return seconds(chunked) - plain
+
+    difference()  # warm-up
+    return max(0.0, statistics.median(difference() for _ in range(max(1, repeats))))
 
 
 def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
@@ -143,7 +182,31 @@ def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: B
         >>> plans = alternatives_with_head(prof, prof.head, "20%", count=3)
     """
     found = _on_both(prof, head, budget, lambda profile, whole: plans_near(profile, whole, count, allow))
-    return sorted(found, key=lambda made: made.predicted_extra_time)[:count]
+    return distinct_plans(sorted(found, key=lambda made: made.predicted_extra_time))[:count]
+
+
+def price_with_head(prof: StepProfile, head: HeadOption | None, decisions: Mapping[str, str],
+                    segments: Sequence[Sequence[str]] = ()) -> Plan:
+    """The plan of ``decisions`` and ``segments`` (as :func:`~remat.planning.solve.alternatives.plan_for`) with the
+    output layer and loss in ``head.chunks`` chunks: priced on the chunked head's timeline, its time added.
+
+    Example:
+        >>> price_with_head(prof, prof.head, {"model.layers.0": "checkpoint"}).head_chunks
+        12
+    """
+    if head is None:
+        raise ValueError("remat.Profile.price: this profile has no chunked head to price (a Hugging Face causal LM "
+                         "profiled on real tensors with labels= and its own loss has one); call price without "
+                         "head=True.")
+    return _chunked(plan_for(head.profile, decisions, segments), prof, head)
+
+
+def _chunked(plan: Plan, prof: StepProfile, head: HeadOption) -> Plan:
+    """``plan``, made on the chunked head's timeline, as a plan of ``prof``'s step with that head."""
+    plan.head_chunks = head.chunks
+    plan.predicted_extra_time += head.extra_time
+    plan.baseline_peak = prof.peak_bytes
+    return plan
 
 
 def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
@@ -161,12 +224,7 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
         except InfeasibleBudget as refusal:
             refusals.append(refusal)
             continue
-        for plan in made:
-            if option is not None:
-                plan.head_chunks = option.chunks
-                plan.predicted_extra_time += option.extra_time
-                plan.baseline_peak = prof.peak_bytes
-        found.extend(made)
+        found.extend(made if option is None else [_chunked(plan, prof, option) for plan in made])
     if found:
         return found
     lowest = min(refusals, key=lambda refusal: refusal.smallest)

@@ -2,7 +2,9 @@
 
 Every rule of :mod:`remat.planning.choices.baselines` (every-k spread for each ``n``, offloaded inputs) is one point:
 its predicted peak and extra time.  remat's front is the plan for each of those peaks as the budget, and for
-each budget asked besides, with the points another plan beats on both removed.  No plan is worse than a rule
+each budget asked besides, with the points another plan beats on both removed.  Where the profile has the
+chunked output layer and loss (:mod:`remat.planning.solve.head`), its plans are on the front too, planned as
+``Profile.plan`` plans, at the peaks of the rules applied with it as well.  No plan is worse than a rule
 on both axes (:func:`~remat.planning.solve.solver.plan_from_profile` takes a rule where it would be).
 
 Example:
@@ -19,6 +21,7 @@ from ..choices.baselines import rules
 from ..choices.chain import chain_options
 from ..choices.options import DEFAULT_ALLOW
 from ..measure.profile import StepProfile
+from .head import HeadOption, plan_with_head
 from .solver import InfeasibleBudget, plan_from_profile, predict
 
 __all__ = ["Front", "TradePoint", "front"]
@@ -37,6 +40,7 @@ class TradePoint:
     peak: int
     extra_time: float
     decisions: tuple[str, ...] = ()
+    head_chunks: int = 0
 
 
 @dataclass
@@ -72,14 +76,18 @@ class Front:
             for point in points:
                 share = (point.peak - self.fixed_bytes) / above if above > 0 else 0.0
                 step = f"x{1 + point.extra_time / self.step_time:.3f}" if self.step_time > 0 else ""
-                name = "plan" if kind == "remat" else point.label
+                name = point.label if kind == "rule" else "plan" + (
+                    f", head in {point.head_chunks}" if point.head_chunks else "")
                 lines.append(f"{kind:<7} {name:<20} {format_bytes(point.peak - self.fixed_bytes):>18} "
                              f"{share:>9.3f} {point.extra_time * 1e3:>8.2f}ms {step:>7}")
         return "\n".join(lines)
 
 
-def front(prof: StepProfile, budgets: Sequence[object] = (), allow: Sequence[str] = DEFAULT_ALLOW) -> Front:
-    """remat's plans at each rule's peak (and at ``budgets``) beside the rules' points, on one cost model.
+def front(prof: StepProfile, budgets: Sequence[object] = (), allow: Sequence[str] = DEFAULT_ALLOW,
+          head: HeadOption | None = None) -> Front:
+    """remat's plans at each rule's peak (and at ``budgets``) beside the rules' points, on one cost model; with
+    ``head``, the chunked output layer and loss, remat's plans are made with or without it (the cheaper), at the
+    peaks the rules reach with it too.
 
     Example:
         >>> print(front(prof, budgets=("50%", "30%")))
@@ -89,13 +97,18 @@ def front(prof: StepProfile, budgets: Sequence[object] = (), allow: Sequence[str
     for rule in rules(options):
         peak, extra = predict(prof, rule.chosen)
         points.append(TradePoint(rule.name, peak, extra, tuple(o.name for o in rule.chosen)))
+    peaks = {p.peak for p in points}
+    if head is not None:
+        peaks |= {predict(head.profile, rule.chosen)[0] for rule in rules(chain_options(head.profile, allow))}
     plans = {}
-    for budget in [*budgets, *sorted({p.peak for p in points})]:
+    for budget in [*budgets, *sorted(peaks)]:
         try:
-            plan = plan_from_profile(prof, budget, options=options)
+            plan = (plan_from_profile(prof, budget, options=options) if head is None
+                    else plan_with_head(prof, head, budget, allow))
         except InfeasibleBudget:  # a budget asked below what any plan reaches
             continue
-        point = TradePoint("remat", plan.predicted_peak, plan.predicted_extra_time, tuple(plan.decisions.values()))
+        point = TradePoint("remat", plan.predicted_peak, plan.predicted_extra_time, tuple(plan.decisions.values()),
+                           plan.head_chunks)
         plans[(point.peak, point.extra_time)] = point
     kept = [p for p in plans.values()
             if not any(q.peak <= p.peak and q.extra_time < p.extra_time
