@@ -78,7 +78,7 @@ def chunk_lm_head(model: nn.Module, chunks: int = 8) -> nn.Module:
     if refusal:
         raise ValueError(refusal)
     setattr(model, _CHUNKS, chunks)
-    model.forward = types.MethodType(_chunked_forward, model)
+    _install_chunked_forward(model)
     return model
 
 
@@ -135,13 +135,23 @@ def lm_head_refusal(model: nn.Module, *args: Any, **kwargs: Any) -> str:
     return _probe_through_call(model, args, kwargs)
 
 
+def _install_chunked_forward(model: nn.Module) -> None:
+    """Make ``model``'s forward the chunked one, under the signature of its class's forward: the Hugging Face
+    Trainer keeps only the dataset columns that signature names (``*args, **kwargs`` would lose them all)."""
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _chunked_forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(type(model).forward)  # type: ignore[attr-defined]
+    model.forward = types.MethodType(forward, model)
+
+
 def _probe_through_call(model: nn.Module, args: tuple, kwargs: dict) -> str:
     """Run the probe on the call ``model(*args, **kwargs)`` through the model's own ``__call__`` (its wrappers'
     hooks included), in training mode; the refusal or ''."""
     chunked = hasattr(model, _CHUNKS)
     if not chunked:
         setattr(model, _CHUNKS, 1)
-        model.forward = types.MethodType(_chunked_forward, model)
+        _install_chunked_forward(model)
     setattr(model, _PROBING, True)
     modes = [(module, module.training) for module in model.modules()]
     try:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..planning.basics.units import Budget, parse_budget
+from . import ranked
 from .arguments import add_optimizer_argument, at_least, fraction_below_one, writable_file
 
 if TYPE_CHECKING:
@@ -265,6 +266,8 @@ def _print_warnings(command: str, caught: list[warnings.WarningMessage]) -> None
     from ..planning.workflow import SummedLossWarning
 
     lines: dict[str, None] = {}
+    if ranked.rank():  # under torchrun: every rank profiled alike, rank 0 says it
+        return
     for warning in caught:
         if isinstance(warning.message, SummedLossWarning):
             if not warning.message.labels_missing:
@@ -328,7 +331,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
             _print_warnings(args.command, caught)
         made += 1
         print(plan)
-        if args.output:
+        if args.output and ranked.rank() == 0:  # every rank made the same plan: one writes it
             plan.save(args.output)
             print(f"plan written to {args.output}; apply it with remat.Plan.load({args.output!r}).apply(model)")
     if args.front:
@@ -354,37 +357,27 @@ def _load_plan(path: str):
 
 def _check_cmd(args: argparse.Namespace) -> int:
     plan = _load_plan(args.plan)
-    from rich.table import Table
-
-    from ..planning.basics.units import format_bytes
-    from ..planning.check import check_plan, grads_cell
+    from ..planning.check import check_plan
 
     model, inputs, kwargs = _model_and_inputs(args)
     _check_forward(model, inputs, kwargs, args)
     console = _console()
     with _running_the_model(args), _progress(console) as progress:
         task = progress.add_task(f"{args.steps} steps with and without the plan", total=args.steps)
-        result = check_plan(model, plan, *inputs, steps=args.steps, optimizer=args.optimizer,
-                            on_step=lambda row: progress.advance(task), **kwargs)
-    table = Table(title=f"{args.steps} {args.optimizer} steps of {args.model} with and without {args.plan} "
-                        "(peaks above parameters and buffers; forward + backward times)")
-    for column in ("step", "peak predicted", "peak measured", "peak unplanned", "time predicted", "time measured",
-                   "time unplanned", "grads equal"):
-        table.add_column(column, justify="right")
-    for row in result.rows:
-        error = result.peak_error(row)
-        style = "" if abs(error) <= result.peak_tolerance else "[red]"
-        table.add_row(
-            str(row.step), format_bytes(result.predicted_peak), f"{style}{format_bytes(row.peak)} ({error:+.1%})",
-            format_bytes(row.unplanned_peak), f"{result.predicted_time(row) * 1e3:,.1f} ms",
-            f"{row.time * 1e3:,.1f} ms", f"{row.unplanned_time * 1e3:,.1f} ms",
-            "yes" if row.grads_equal else f"[red]no: {grads_cell(row)}",
-        )
-    console.print(table)
-    for note in result.notes:
-        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-    console.print(result.verdict(), markup=False, highlight=False, soft_wrap=True)
-    return 0 if result.holds else 1
+        built = ranked.built_once(model, lambda: _call(_load(args.model, "MODULE:FACTORY"), "the factory", args.model))
+        result = check_plan(built, plan, *inputs, steps=args.steps,
+                            optimizer=args.optimizer, on_step=lambda row: progress.advance(task), **kwargs)
+    results = ranked.gathered(result)  # under torchrun: every rank's check, on every rank
+    per_rank = " on every rank" if len(results) > 1 else ""
+    console.print(ranked.check_table(
+        results, f"{args.steps} {args.optimizer} steps of {args.model} with and without {args.plan}{per_rank} "
+                 "(peaks above parameters and buffers; forward + backward times)"))
+    for index, each in enumerate(results):
+        prefix = f"rank {index}: " if len(results) > 1 else ""
+        for note in each.notes:
+            console.print(f"{prefix}note: {note}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"{prefix}{each.verdict()}", markup=False, highlight=False, soft_wrap=True)
+    return 0 if all(each.holds for each in results) else 1
 
 
 def _steps(text: str) -> int:
@@ -577,17 +570,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(argv).parse_args(argv)
     try:
-        return args.run(args)
+        if args.command not in ("profile", "plan", "check"):
+            return args.run(args)
+        with ranked.process_group(), ranked.speaking():  # under torchrun: every rank runs it, rank 0 prints
+            return args.run(args)
     except UserError as error:
         if args.debug:
             raise
-        print(f"remat {args.command}: error: {error}", file=sys.stderr)
+        print(f"remat {args.command}: error{ranked.where()}: {error}", file=sys.stderr)
         return 2
     except Exception as error:
         if args.debug:
             raise
         first_line = (str(error).strip().splitlines() or [""])[0]
-        print(f"remat {args.command}: {type(error).__name__}: {first_line} (run with --debug for the traceback)",
+        print(f"remat {args.command}{ranked.where()}: {type(error).__name__}: {first_line} (run with --debug for the "
+              "traceback)",
               file=sys.stderr)
         return 1
 
