@@ -116,6 +116,19 @@ def test_eval_and_no_labels_run_the_model_own_forward():
     assert remat.lm_head_chunks(model) is None and model(input_ids=ids, labels=labels).logits is not None
 
 
+def test_forward_keeps_the_signature_the_trainer_reads_columns_by():
+    """The Hugging Face Trainer keeps the dataset columns ``model.forward``'s signature names: ``*args, **kwargs``
+    would drop input_ids and labels ("You must specify exactly one of input_ids or inputs_embeds")."""
+    import inspect
+
+    model = llama()
+    own = inspect.signature(model.forward)
+    remat.chunk_lm_head(model, chunks=4)
+    assert inspect.signature(model.forward) == own
+    remat.unchunk_lm_head(model)
+    assert inspect.signature(model.forward) == own
+
+
 def test_model_without_a_head_is_refused():
     with pytest.raises(ValueError, match="remat.chunked_lm_loss"):
         remat.chunk_lm_head(torch.nn.Linear(4, 4))

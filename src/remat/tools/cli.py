@@ -235,6 +235,8 @@ def _running_the_model(args: argparse.Namespace) -> Iterator[None]:
         except (RuntimeError, TypeError) as error:
             if str(error).startswith("remat."):  # remat's own check of the inputs, already in one line
                 raise UserError(_in_command_terms(_unprefixed(str(error)))) from error
+            if ranked.another_rank_failed(error):
+                raise UserError("another rank failed (its line says why), so this one stops too") from error
             first_line = str(error).strip().splitlines()[0]
             floats = "; --input-shape gives random floats: for token ids give --inputs" if args.input_shape else ""
             raise UserError(f"running the model on the given inputs failed ({type(error).__name__}: {first_line}); "

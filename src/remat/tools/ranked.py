@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
     from ..planning.check import PlanCheck
 
-__all__ = ["built_once", "check_table", "gathered", "launched", "process_group", "rank", "speaking", "where"]
+__all__ = ["another_rank_failed", "built_once", "check_table", "gathered", "launched", "process_group", "rank",
+           "speaking", "where"]
 
 
 def launched() -> bool:
@@ -60,7 +61,21 @@ def where() -> str:
         >>> where()
         ''
     """
-    return f" on rank {rank()}" if rank() else ""
+    launched_as = int(os.environ.get("RANK", "0")) if launched() else 0  # the process group may be gone by now
+    return f" on rank {launched_as}" if launched_as else ""
+
+
+def another_rank_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a collective broken by another rank leaving (it failed, and said why in its own line).
+
+    Example:
+        >>> another_rank_failed(RuntimeError("Connection closed by peer [127.0.0.1]:11969"))   # under torchrun
+        True
+    """
+    import torch.distributed as dist
+
+    broken = isinstance(error, getattr(dist, "DistError", ())) or "Connection closed by peer" in str(error)
+    return launched() and broken
 
 
 @contextlib.contextmanager
@@ -85,8 +100,10 @@ def process_group() -> Iterator[None]:
     dist.init_process_group()
     try:
         yield
-    finally:
         dist.barrier()  # no rank leaves while another is still in a collective
+    finally:
+        # A rank that failed leaves at once (a barrier could meet another rank's collective): torchrun ends the
+        # others when it exits.
         dist.destroy_process_group()
 
 
@@ -154,7 +171,7 @@ def check_table(results: list[PlanCheck], title: str) -> Any:
     from ..planning.check import grads_cell
 
     by_rank = len(results) > 1
-    table = Table(title=title)
+    table = Table(title=title, collapse_padding=by_rank)  # one column more: 130 characters still hold it
     columns = ("step", "peak predicted", "peak measured", "peak unplanned", "time predicted", "time measured",
                "time unplanned", "grads equal")
     for column in ("rank", *columns) if by_rank else columns:
