@@ -425,11 +425,13 @@ _EXAMPLES = {
   remat plan mypkg.models:build --input-shape 8,128 --budget 50%
   remat plan mypkg.models:build --inputs mypkg.data:batch --budget 8GiB -o plan.json
   remat plan mypkg.models:build --inputs mypkg.data:batch --budget 30% 50% 70%   # one profile
+  torchrun --nproc_per_node 2 -m remat plan mypkg.models:build_sharded --inputs mypkg.data:batch --budget 70%
   (--inputs may return a tuple of positional inputs or a dict of keyword inputs, e.g. input_ids and labels)
 """,
     "check": """examples:
   remat check mypkg.models:build --plan plan.json --input-shape 8,128
   remat check mypkg.models:build --plan plan.json --inputs mypkg.data:batch --steps 8 --optimizer sgd
+  torchrun --nproc_per_node 2 -m remat check mypkg.models:build_sharded --plan plan.json --inputs mypkg.data:batch
   (exit status: 0 when the plan holds, 1 when it does not, 2 for a mistake in the command line)
 """,
     "show": """examples:
