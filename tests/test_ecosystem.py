@@ -76,6 +76,9 @@ def test_a_rank_names_itself_and_knows_a_peer_that_left(monkeypatch):
     assert ranked.launched() and ranked.where() == " on rank 1"
     assert ranked.another_rank_failed(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:11969"))
     assert not ranked.another_rank_failed(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    twice = ValueError("trying to initialize the default process group twice!")
+    assert ranked.factory_hint(twice).startswith("; the command sets up torchrun's process group before it calls")
+    assert ranked.factory_hint(ValueError("no weights here")) == ""
 
 
 def test_the_check_gets_the_built_model_first_then_new_ones():

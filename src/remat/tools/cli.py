@@ -154,7 +154,8 @@ def _call(fn: Callable[..., Any], what: str, spec: str) -> Any:
     try:
         return fn()
     except Exception as error:
-        raise UserError(f"{what} {spec!r} raised {type(error).__name__}: {error}") from error
+        hint = ranked.factory_hint(error)
+        raise UserError(f"{what} {spec!r} raised {type(error).__name__}: {error}{hint}") from error
 
 
 def _model_and_inputs(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple, dict]:

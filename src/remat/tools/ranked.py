@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from ..planning.check import PlanCheck
 
-__all__ = ["another_rank_failed", "built_once", "check_table", "gathered", "launched", "process_group", "rank",
-           "speaking", "where"]
+__all__ = ["another_rank_failed", "built_once", "check_table", "factory_hint", "gathered", "launched", "process_group",
+           "rank", "speaking", "where"]
 
 
 def launched() -> bool:
@@ -76,6 +76,19 @@ def another_rank_failed(error: BaseException) -> bool:
 
     broken = isinstance(error, getattr(dist, "DistError", ())) or "Connection closed by peer" in str(error)
     return launched() and broken
+
+
+def factory_hint(error: BaseException) -> str:
+    """The fix for a factory that sets up the process group the command has set up already ('' for other errors).
+
+    Example:
+        >>> factory_hint(ValueError("trying to initialize the default process group twice!"))   # under torchrun
+        '; the command sets up ...'
+    """
+    if not (launched() and "process group twice" in str(error)):
+        return ""
+    return ("; the command sets up torchrun's process group before it calls the factory: set it up there only "
+            "`if not torch.distributed.is_initialized()`")
 
 
 @contextlib.contextmanager
