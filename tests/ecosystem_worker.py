@@ -1,8 +1,8 @@
 """A two-rank check (tests/two_ranks.py runs it under torchrun, gloo) of the routes a distributed job takes:
 
 * the ``remat`` command on every rank: ``remat plan`` and ``remat check`` given a factory that builds a GPT and
-  shards it with FSDP2 (per block, then the root) in the process group the command runs in; rank 0 prints
-  every rank's check;
+  shards it with FSDP2 (per block, then the root), or wraps it in DDP, in the process group the command runs in;
+  rank 0 prints every rank's check;
 * torchtitan's order: that plan applied to a new (unsharded) GPT, each block compiled (``aot_eager``), then
   ``fully_shard`` per block and the root; three SGD steps against the same compiled, sharded GPT without it;
 * Hugging Face's ``Trainer`` on the CPU (DDP over gloo: accelerate keeps FSDP for accelerators): a Llama planned
@@ -67,6 +67,11 @@ def fsdp2_gpt() -> LossGPT:
     return _sharded(_built())
 
 
+def ddp_gpt() -> DDP:
+    """The same GPT wrapped in DDP: the command profiles the module it wraps, its gradient buckets counted."""
+    return DDP(_built())
+
+
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(100 + dist.get_rank())  # every rank its own data
     return [synthetic_batch(CFG, BATCH, generator=generator) for _ in range(STEPS)]
@@ -84,13 +89,13 @@ def _command(*argv: str) -> dict:
     return {"status": status, "stdout": out.getvalue()}
 
 
-def _the_command(folder: str) -> dict:
-    plan_file = os.path.join(folder, "plan.json")
-    made = _command("plan", "ecosystem_worker:fsdp2_gpt", "--inputs", "ecosystem_worker:batch", "--budget", "70%",
+def _the_command(folder: str, factory: str, steps: int) -> dict:
+    plan_file = os.path.join(folder, f"{factory}.json")
+    made = _command("plan", f"ecosystem_worker:{factory}", "--inputs", "ecosystem_worker:batch", "--budget", "70%",
                     "-o", plan_file)
     dist.barrier()  # rank 0 wrote the plan
-    checked = _command("check", "ecosystem_worker:fsdp2_gpt", "--inputs", "ecosystem_worker:batch", "--plan",
-                       plan_file, "--steps", "2", "--optimizer", "sgd")
+    checked = _command("check", f"ecosystem_worker:{factory}", "--inputs", "ecosystem_worker:batch", "--plan",
+                       plan_file, "--steps", str(steps), "--optimizer", "sgd")
     return {"plan": made, "check": checked, "plan_file": plan_file}
 
 
@@ -161,9 +166,9 @@ def run(report_path: str) -> None:
     with tempfile.TemporaryDirectory() as mine:
         folder = [mine]
         dist.broadcast_object_list(folder, src=0)  # one folder for both ranks: rank 0's
-        command = _the_command(folder[0])
-        report = {"command": command, "torchtitan": _torchtitan_order(command["plan_file"]),
-                  "trainer": _hugging_face_trainer(mine)}
+        command = _the_command(folder[0], "fsdp2_gpt", steps=2)
+        report = {"command": command, "command_ddp": _the_command(folder[0], "ddp_gpt", steps=1),
+                  "torchtitan": _torchtitan_order(command["plan_file"]), "trainer": _hugging_face_trainer(mine)}
         dist.barrier()  # rank 0's folder stays until every rank has read the plan
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, report)

@@ -22,25 +22,29 @@ def per_rank(two_rank_reports):
     return json.loads(reports["ecosystem_worker"].read_text())
 
 
-def test_remat_plan_under_torchrun_plans_every_rank_and_rank_0_prints(per_rank):
-    first, second = (rank["command"]["plan"] for rank in per_rank)
+@pytest.mark.parametrize("wrapper", ["command", "command_ddp"])
+def test_remat_plan_under_torchrun_plans_every_rank_and_rank_0_prints(per_rank, wrapper):
+    first, second = (rank[wrapper]["plan"] for rank in per_rank)
     assert first["status"] == second["status"] == 0
     assert "plan written to" in first["stdout"] and "checkpoint" in first["stdout"]
     assert second["stdout"] == ""
 
 
-def test_remat_check_under_torchrun_reports_every_rank_on_rank_0(per_rank):
-    """A factory that shards its model with FSDP2 (which cannot be copied): the check's second copy comes from the
-    factory; every rank's steps in rank 0's table, each rank's verdict after it."""
-    first, second = (rank["command"]["check"] for rank in per_rank)
+@pytest.mark.parametrize("wrapper", ["command", "command_ddp"])
+def test_remat_check_under_torchrun_reports_every_rank_on_rank_0(per_rank, wrapper):
+    """A factory that shards its model with FSDP2 (which cannot be copied: the check's second copy comes from the
+    factory) or wraps it in DDP; every rank's steps in rank 0's table, each rank's verdict after it."""
+    steps = 2 if wrapper == "command" else 1
+    first, second = (rank[wrapper]["check"] for rank in per_rank)
     assert first["status"] == second["status"] == 0, first["stdout"]
     assert second["stdout"] == ""
     table = first["stdout"]
     assert "on every rank" in table and any(line.startswith("┃ rank") for line in table.splitlines())
     rows = [line.split("│")[1:3] for line in table.splitlines() if line.startswith("│")]
-    assert [(rank.strip(), step.strip()) for rank, step in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")]
+    assert [(rank.strip(), step.strip()) for rank, step in rows] == [
+        (str(rank), str(step)) for rank in (0, 1) for step in range(1, steps + 1)]
     for rank in (0, 1):
-        assert f"rank {rank}: the plan holds: 2 sgd steps peaked within 3% of the predicted" in table
+        assert f"rank {rank}: the plan holds: {steps} sgd steps peaked within 3% of the predicted" in table
 
 
 def test_torchtitan_order_checkpoint_compile_then_shard_trains_bitwise(per_rank):
