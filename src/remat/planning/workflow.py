@@ -20,6 +20,7 @@ from torch import nn
 
 from ..api.sequential import checkpointed_runs
 from .basics.discovery import chain_links, resolve_blocks
+from .basics.fakeworld import fake_ranks, meta_sharded
 from .basics.inputs import describe_inputs
 from .basics.kvcache import cache_off
 from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
@@ -223,6 +224,7 @@ def profile(
     with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
           MetaKernels() if on_meta is not None else contextlib.nullcontext(),
           MetaLayouts() if on_meta is not None else contextlib.nullcontext(),
+          meta_sharded(model) if on_meta is not None else contextlib.nullcontext(),
           measuring_afresh(fresh_timings), left_as_found(model),
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
@@ -263,6 +265,8 @@ def profile(
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
+    if fake_ranks():
+        result.notes.append(f"rank 0 of a fake world of {fake_ranks()} ranks (remat.fake_world): peaks are one rank's")
     # trained by several ranks: rank 0's timings on every rank, one plan everywhere
     return ranks.same(ranks.per_rank(result))
 
