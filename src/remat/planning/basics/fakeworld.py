@@ -96,8 +96,10 @@ def meta_sharded(model: nn.Module) -> Iterator[None]:
     FSDP2 initializes a model at its first forward, refusing parameters left on meta (a job materializes them
     first), and allocates its gathered parameters and reduce-scatter outputs on the mesh's device.  Here it is
     initialized with that refusal set aside, its units then allocate on meta (the sizes FSDP2 computes are
-    unchanged), and its streams and events on the meta device are the CPU's, which wait for nothing.  The model
-    stays so afterwards: a model on meta has no values to train with.
+    unchanged), and its streams and events on the meta device are the CPU's, which wait for nothing.  Every unit
+    gathers and frees its parameters once first, as in a job's first step: from then on FSDP2 refills the same
+    storages, as in every later step (the step a profile measures).  The model stays so afterwards: a model on
+    meta has no values to train with.
 
     Example:
         >>> with meta_sharded(model):
@@ -107,31 +109,40 @@ def meta_sharded(model: nn.Module) -> Iterator[None]:
     if not units or not any(param.device.type == "meta" for param in model.parameters()):
         yield
         return
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    meta = torch.device("meta")
-    refusal = FSDPParamGroup._validate_no_meta_params
-    FSDPParamGroup._validate_no_meta_params = lambda self: None
-    try:
-        for unit in units:  # outermost first: the root's initializes those below it
-            unit._get_fsdp_state()._lazy_init()
-    finally:
-        FSDPParamGroup._validate_no_meta_params = refusal
-    for unit in units:
-        state = unit._get_fsdp_state()
-        state._device = meta
-        group = state._fsdp_param_group
-        if group is not None:
-            group.device = meta
-            group._all_gather_output = torch.empty(0, device=meta)
-            for param in group.fsdp_params:
-                param.device = meta
     before = getattr(torch, "meta", None)
     torch.meta = torch.cpu  # FSDP2 looks up a device's streams and events as torch.<device type>
     try:
+        _initialized_on_meta(units)
         yield
     finally:
         if before is None:
             del torch.meta
         else:
             torch.meta = before
+
+
+def _initialized_on_meta(units: list[nn.Module]) -> None:
+    """FSDP2's lazy initialization of ``units`` (outermost first) with meta parameters let through, their
+    allocations moved to the meta device, and one gather and free of each."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    meta = torch.device("meta")
+    refusal = FSDPParamGroup._validate_no_meta_params
+    FSDPParamGroup._validate_no_meta_params = lambda self: None
+    try:
+        for unit in units:  # the root's initializes those below it
+            unit._get_fsdp_state()._lazy_init()
+        for unit in units:
+            state = unit._get_fsdp_state()
+            state._device = meta
+            group = state._fsdp_param_group
+            if group is not None:
+                group.device = meta
+                group._all_gather_output = torch.empty(0, device=meta)
+                for param in group.fsdp_params:
+                    param.device = meta
+        for unit in units:  # as in a job's first step: later gathers refill the storages this one makes
+            unit.unshard()
+            unit.reshard()
+    finally:
+        FSDPParamGroup._validate_no_meta_params = refusal
