@@ -9,8 +9,9 @@ Each model is a Hugging Face ``LlamaForCausalLM`` built on the meta device in bf
 hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 key/value heads, vocabulary 128256; 70B's: hidden 8192,
 80 layers, intermediate 28672, 64 heads, 8 key/value heads), sharded as torchtitan does (``fully_shard`` per
 decoder layer, then the root) in ``remat.fake_world(N)``, and profiled with ``device="meta"`` at sequence 8192,
-batch 1 per rank, the loss from ``labels``.  Printed per model: the time to profile and to plan, the profile
-(one rank's step) and the plan at the budget, all peaks per rank.
+batch 1 per rank, the loss from ``labels``, then planned for one rank's device (8B: 40 GiB, 70B: 70 GiB, or
+``--budget``).  Printed per model: the time to profile and to plan, the profile (one rank's step) and the plan,
+all peaks per rank.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ except ImportError:  # torch < 2.6
 
 SHAPES = {
     "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "ranks": 8},
+           "num_key_value_heads": 8, "ranks": 8, "budget": "40GiB"},
     "70b": {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672, "num_attention_heads": 64,
-            "num_key_value_heads": 8, "ranks": 64},
+            "num_key_value_heads": 8, "ranks": 64, "budget": "70GiB"},
 }
 SEQ = 8192
 
@@ -39,7 +40,7 @@ SEQ = 8192
 def _llama(shape: dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sizes = {k: v for k, v in shape.items() if k != "ranks"}
+    sizes = {k: v for k, v in shape.items() if k not in ("ranks", "budget")}
     cfg = LlamaConfig(vocab_size=128256, max_position_embeddings=SEQ, rope_theta=500000.0, use_cache=False,
                       tie_word_embeddings=False, dtype=torch.bfloat16, **sizes)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
@@ -57,7 +58,7 @@ def _plan_for(name: str, budget: str | None) -> None:
             model = _llama(shape)
         prof = remat.profile(model, input_ids=ids, labels=ids, device="meta")
     profiled = time.perf_counter() - started
-    plan = prof.plan(budget or "50%")
+    plan = prof.plan(budget or shape["budget"])
     planned = time.perf_counter() - started - profiled
     print(f"== Llama-3-{name.upper()}-shaped, {shape['ranks']} ranks (FSDP2), sequence {SEQ}, batch 1 per rank: "
           f"profiled in {profiled:.1f} s, planned in {planned:.2f} s ({profiled + planned:.1f} s in all)")
@@ -69,7 +70,8 @@ def _plan_for(name: str, budget: str | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--budget", default=None, help="per rank: a size (40GiB) or a fraction (50%%); default 50%%")
+    parser.add_argument("--budget", default=None,
+                        help="per rank: a size (40GiB) or a fraction (50%%); default 40GiB for 8b, 70GiB for 70b")
     options = parser.parse_args()
     for name in options.models:
         _plan_for(name, options.budget)

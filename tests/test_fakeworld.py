@@ -39,6 +39,7 @@ def test_meta_in_a_fake_world_of_two_predicts_each_real_ranks_peak(measured, cas
     see test_ranks)."""
     prof = _meta_profile(case)
     assert any("fake world of 2 ranks" in note for note in prof.notes)
+    assert prof.grad_bytes == prof.param_bytes  # one rank's gradient shards: each unit's reduce-scatter output once
     for rank in measured:
         mine = rank[case]
         planned = prof.price(mine["decisions"], mine["segments"]).predicted_peak

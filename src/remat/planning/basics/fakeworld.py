@@ -122,17 +122,15 @@ def meta_sharded(model: nn.Module) -> Iterator[None]:
 
 
 def _initialized_on_meta(units: list[nn.Module]) -> None:
-    """FSDP2's lazy initialization of ``units`` (outermost first) with meta parameters let through, their
-    allocations moved to the meta device, and one gather and free of each."""
+    """``units``' allocations moved to the meta device, FSDP2's lazy initialization of them (outermost first) with
+    meta parameters let through, and one gather and free of each."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     meta = torch.device("meta")
     refusal = FSDPParamGroup._validate_no_meta_params
     FSDPParamGroup._validate_no_meta_params = lambda self: None
     try:
-        for unit in units:  # the root's initializes those below it
-            unit._get_fsdp_state()._lazy_init()
-        for unit in units:
+        for unit in units:  # before initializing: its streams are the meta device's (the CPU's), not a GPU's
             state = unit._get_fsdp_state()
             state._device = meta
             group = state._fsdp_param_group
@@ -141,6 +139,8 @@ def _initialized_on_meta(units: list[nn.Module]) -> None:
                 group._all_gather_output = torch.empty(0, device=meta)
                 for param in group.fsdp_params:
                     param.device = meta
+        for unit in units:  # the root's initializes those below it
+            unit._get_fsdp_state()._lazy_init()
         for unit in units:  # as in a job's first step: later gathers refill the storages this one makes
             unit.unshard()
             unit.reshard()
