@@ -201,7 +201,8 @@ def profile(
     (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
     checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
     (:class:`~remat.planning.basics.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
-    values is refused with a :class:`~remat.planning.basics.metadata.NeedsRealData` saying where.
+    values is refused with a :class:`~remat.planning.basics.metadata.NeedsRealData` saying where.  A model
+    sharded by FSDP2 in :func:`remat.fake_world` (N ranks, this process rank 0) profiles there as one rank of N.
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)       # a Hugging Face model
