@@ -225,7 +225,7 @@ def profile(
     with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
           MetaKernels() if on_meta is not None else contextlib.nullcontext(),
           MetaLayouts() if on_meta is not None else contextlib.nullcontext(),
-          meta_sharded(model) if on_meta is not None else contextlib.nullcontext(),
+          meta_sharded(model),
           measuring_afresh(fresh_timings), left_as_found(model),
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
