@@ -179,6 +179,17 @@ def test_profile_and_plan_predict_the_cuda_peak():
 
 
 @cuda_only
+def test_a_free_budget_is_what_the_device_has_free():
+    model, tokens, loss_fn = _gpt_on_cuda()
+    prof = remat.profile(model, tokens, loss_fn=loss_fn, repeats=2)
+    free, total = torch.cuda.mem_get_info()
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    plan = prof.plan("free-1GiB")
+    assert plan.budget == free + cached + prof.param_bytes + prof.buffer_bytes - (1 << 30)
+    assert plan.meta["budget"].startswith("free-1GiB: ") and plan.meta["budget"] in str(plan)
+
+
+@cuda_only
 def test_a_plan_that_offloads_blocks_peaks_no_higher_than_predicted(monkeypatch):
     # Copies run behind (and back ahead of) the compute stream by up to the engine's window, which the plan
     # counts once; a small window lets this small model's offloaded blocks free memory that counts.

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepMemory", "measure_step", "profiled_peak", "saved_bytes"]
+from .units import Budget, format_bytes
+
+__all__ = ["StepMemory", "budget_on_device", "measure_step", "profiled_peak", "saved_bytes"]
 
 
 @dataclass(frozen=True)
@@ -212,3 +214,36 @@ def saved_bytes(step: Callable[[], torch.Tensor], params: Iterable[torch.Tensor]
         loss = step()
     loss.backward()
     return sum(seen.values())
+
+
+def budget_on_device(budget: Budget, device: str, resident: int) -> Budget:
+    """A ``"free"`` budget (:func:`~remat.planning.basics.units.parse_budget`) as the whole-step bytes the CUDA
+    ``device`` can give a step now; any other budget as it is.
+
+    What the step may hold: the device's free memory (``torch.cuda.mem_get_info``), what PyTorch's allocator
+    keeps reserved but unused (it serves the step first), and ``resident``, the bytes of the model's parameters
+    and buffers already on the device (a plan's peak counts them), less the budget's margin.  The result's text
+    says so, for the plan to state.
+
+    Example:
+        >>> budget_on_device(parse_budget("free-4GiB"), "cuda:0", resident=2 << 30).nbytes   # on a 80 GB GPU
+        77846282240
+    """
+    if not budget.free:
+        return budget
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise ValueError(f"remat.plan: budget {budget.text!r} is what a CUDA device has free, and this profile ran "
+                         f"on {device}: give a size (8GiB) or a fraction of the unplanned peak (50%).")
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    free, total = torch.cuda.mem_get_info(index)
+    cached = torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    margin = budget.margin_bytes if budget.margin_bytes is not None else int(budget.margin_fraction * total)
+    nbytes = free + cached + resident - margin
+    if nbytes <= resident:
+        raise ValueError(f"remat.plan: budget {budget.text!r}: {device} has {format_bytes(free + cached)} free, "
+                         f"no more than the {format_bytes(margin)} margin; free memory on it or lower the margin "
+                         f"({budget.text.split('-')[0]}-1GiB).")
+    text = (f"{budget.text}: {format_bytes(free + cached)} free on {device} with {format_bytes(resident)} of "
+            f"parameters and buffers, less a {format_bytes(margin)} margin")
+    return Budget(nbytes=nbytes, text=text)

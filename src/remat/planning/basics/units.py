@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LARGEST_PERCENT_LIKE", "SMALLEST_BARE_BYTES", "Budget", "format_bytes", "parse_budget", "parse_bytes"]
+__all__ = ["FREE_MARGIN", "LARGEST_PERCENT_LIKE", "SMALLEST_BARE_BYTES", "Budget", "format_bytes", "parse_budget",
+           "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -16,8 +17,12 @@ SMALLEST_BARE_BYTES = 2**20
 LARGEST_PERCENT_LIKE = 100
 """An int budget up to this (``prof.plan(50)``) is refused as a likely missing ``%``; larger ints are bytes."""
 
-_FORMS = ("a fraction in (0, 1] of the unplanned peak above parameters (0.5 or 50%) or a whole-step size "
-          "(8GiB, 512MB)")
+FREE_MARGIN = 0.1
+"""The share of a device's memory a ``"free"`` budget leaves unplanned by default: the allocator's fragmentation
+and what the step does beside the model (the optimizer's state is no part of a plan's peak)."""
+
+_FORMS = ("a fraction in (0, 1] of the unplanned peak above parameters (0.5 or 50%), a whole-step size "
+          "(8GiB, 512MB) or what the device has free (free, free-4GiB, free-20%)")
 
 
 def parse_bytes(text: str) -> int:
@@ -55,10 +60,17 @@ class Budget:
     fraction: float | None = None
     nbytes: int | None = None
     text: str = ""
+    # "free": what the profiled device has free when planning, less a margin (bytes, or a share of the device)
+    free: bool = False
+    margin_bytes: int | None = None
+    margin_fraction: float | None = None
 
     def bytes_for(self, fixed: int, unplanned_above: int) -> int:
         """The whole-step budget in bytes, for a step whose parameters and buffers take ``fixed`` bytes and
         whose peak without a plan is ``unplanned_above`` bytes above them."""
+        if self.free:
+            raise ValueError("remat.plan: a 'free' budget is read on the device the model was profiled on; "
+                             "plan from the profile (prof.plan('free')) in the process that has the device.")
         if self.fraction is None:
             return self.nbytes
         return fixed + int(self.fraction * unplanned_above)
@@ -75,6 +87,9 @@ def parse_budget(value: Budget | int | float | str) -> Budget:
     * ``"50%"`` or a float / decimal string such as ``0.5`` or ``"0.5"``: a fraction in (0, 1] of the
       unplanned step's peak above parameters;
     * ``"8GiB"``, ``"512MB"``: a whole-step size;
+    * ``"free"``, ``"free-4GiB"``, ``"free-20%"``: what the profiled (CUDA) device has free when the plan is
+      made, with the model's own parameters and buffers, less a margin (by default :data:`FREE_MARGIN` of the
+      device's memory; ``20%``: of the device's memory);
     * an int is bytes (a computed size: ``8 * 2**30``, ``InfeasibleBudget.smallest``), except 1 to 100, which
       is refused as a likely missing ``%`` (``prof.plan(50)``: did you mean 50%?);
     * a string of a bare integer is bytes from 1 MiB up; below that (``"50"``) it is refused too: a size
@@ -100,6 +115,8 @@ def parse_budget(value: Budget | int | float | str) -> Budget:
 
 
 def _parse_text(text: str) -> Budget:
+    if free := re.fullmatch(r"free\s*(?:-\s*(.+))?", text, re.IGNORECASE):
+        return _free(free.group(1), text)
     if percent := re.fullmatch(r"(-?[0-9]*\.?[0-9]+)\s*%", text):
         return _fraction(float(percent.group(1)) / 100, text, percent=True)
     if re.fullmatch(r"-?[0-9]*\.[0-9]+", text):
@@ -142,3 +159,18 @@ def _fraction(value: float, shown: str, percent: bool = False) -> Budget:
         raise ValueError(f"a fraction budget must be in (0, 1] (0.5 or 50% of the unplanned peak above "
                          f"parameters); got {shown}{hint}.")
     return Budget(fraction=value, text=shown if percent else "")
+
+
+def _free(margin: str | None, text: str) -> Budget:
+    """``free`` (a margin of :data:`FREE_MARGIN` of the device), ``free-4GiB`` or ``free-20%``."""
+    if margin is None:
+        return Budget(free=True, margin_fraction=FREE_MARGIN, text=text)
+    if share := re.fullmatch(r"([0-9]*\.?[0-9]+)\s*%", margin.strip()):
+        fraction = float(share.group(1)) / 100
+        if not 0 <= fraction < 1:
+            raise ValueError(f"budget {text}: the margin must be under 100% of the device's memory.")
+        return Budget(free=True, margin_fraction=fraction, text=text)
+    try:
+        return Budget(free=True, margin_bytes=parse_bytes(margin), text=text)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a budget: write {_FORMS}.") from None

@@ -26,6 +26,7 @@ from torch import nn
 
 from ...api.chunkedhead import chunk_lm_head, lm_head_chunks, lm_head_refusal, unchunk_lm_head
 from ...api.chunkedloss import chunked_lm_loss, shift_labels
+from ..basics.memory import budget_on_device
 from ..basics.units import Budget, parse_budget
 from ..choices.options import DEFAULT_ALLOW
 from ..measure.profile import StepProfile, _assemble
@@ -213,8 +214,8 @@ def _on_both(prof: StepProfile, head: HeadOption | None, budget: Budget | int | 
              solve: Callable[[StepProfile, Budget], list[Plan]]) -> list[Plan]:
     """The plans ``solve`` makes on the step's timeline and on the chunked head's, the budget read against the
     step without a plan; refused only when neither timeline fits it."""
-    parsed = parse_budget(budget)
     fixed = prof.param_bytes + prof.buffer_bytes
+    parsed = budget_on_device(parse_budget(budget), prof.device, fixed)
     budget_bytes = parsed.bytes_for(fixed, prof.peak_above_params)
     found, refusals = [], []
     for profile, option in ((prof, None), *(((head.profile, head),) if head is not None else ())):

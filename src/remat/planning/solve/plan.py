@@ -292,7 +292,8 @@ class Plan:
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(
-            f"{summary}. Predicted peak {format_bytes(self.predicted_peak)} (budget {format_bytes(self.budget)}; "
+            f"{summary}. Predicted peak {format_bytes(self.predicted_peak)} (budget {format_bytes(self.budget)}"
+            + (f" = {self.meta['budget']}" if "budget" in self.meta else "") + "; "
             f"{format_bytes(above)} above parameters vs {format_bytes(base_above)} without a plan); "
             f"predicted extra time {self.predicted_extra_time * 1e3:.1f} ms per step"
             + (f" (+{self.predicted_extra_time / self.step_time:.0%})" if self.step_time else "")

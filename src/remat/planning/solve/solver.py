@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..basics.memory import budget_on_device
 from ..basics.units import Budget, parse_budget
 from ..choices.baselines import rules
 from ..choices.chain import chain_options
@@ -269,12 +270,13 @@ def _smallest_peak(prof: StepProfile, options: list[list[BlockOption]]) -> int:
     return low
 
 
-def _resolve_budget(prof: StepProfile, budget: Budget | int | float | str) -> tuple[int, object]:
-    """The whole-step budget in bytes, and how to name what was asked in a refusal (a fraction as a float)."""
-    parsed = parse_budget(budget)
+def _resolve_budget(prof: StepProfile, budget: Budget | int | float | str) -> tuple[int, object, Budget]:
+    """The whole-step budget in bytes, how to name what was asked in a refusal (a fraction as a float), and the
+    budget read (a ``"free"`` one as the bytes the device has)."""
     fixed = prof.param_bytes + prof.buffer_bytes
+    parsed = budget_on_device(parse_budget(budget), prof.device, fixed)
     requested = parsed.fraction if parsed.fraction is not None else parsed.text or None
-    return parsed.bytes_for(fixed, prof.peak_above_params), requested
+    return parsed.bytes_for(fixed, prof.peak_above_params), requested, parsed
 
 
 def plan_from_profile(
@@ -293,7 +295,7 @@ def plan_from_profile(
         >>> for budget in (0.3, 0.5, 0.7):
         ...     print(plan_from_profile(prof, budget))
     """
-    budget_bytes, requested = _resolve_budget(prof, budget)
+    budget_bytes, requested, parsed = _resolve_budget(prof, budget)
     built = options is None  # the built-in options: those the advice on blocks writing in place may rebuild
     options = _resolve_options(prof, allow, options)
     # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
@@ -314,7 +316,10 @@ def plan_from_profile(
                                unwritten=_unwritten_peak(prof, allow) if writers and built else None,
                                unavailable="" if tuple(allow) == DEFAULT_ALLOW else offloads_note(prof, allow),
                                chained=bool(prof.links) and all(prof.links) and "checkpoint" in allow)
-    return plan_of(prof, placed, budget_bytes)
+    plan = plan_of(prof, placed, budget_bytes)
+    if parsed.text.lower().startswith("free"):  # the device's free memory when planning: the plan states it
+        plan.meta["budget"] = parsed.text
+    return plan
 
 
 def _unwritten_peak(prof: StepProfile, allow: Sequence[str]) -> int:
