@@ -146,3 +146,24 @@ def test_planner_leaves_out_the_chunked_head_where_the_call_changes_the_loss():
     assert prof.head is None
     prof = remat.profile(model, input_ids=ids, labels=ids)
     assert prof.head is not None
+
+
+def test_the_probe_is_not_taken_for_a_planned_model_first_forward():
+    """A plan applied first watches the model's first forward for the profiled shapes; chunking its head
+    afterwards probes on a 1 x 16 batch, which must neither warn nor use up that check."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).train()
+    ids = batch()
+    plan = remat.profile(model, input_ids=ids, labels=ids, ops=False).plan(0.9)
+    plan.head_chunks = 0
+    plan.apply(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat.InputShapeWarning)
+        remat.chunk_lm_head(model, chunks=2)
+        model(input_ids=ids, labels=ids)
+    with pytest.warns(remat.InputShapeWarning, match="runs on input_ids 1x24"):
+        remat.unchunk_lm_head(plan.remove(model))
+        plan.apply(model)
+        model(input_ids=ids[:1], labels=ids[:1])

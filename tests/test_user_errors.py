@@ -521,5 +521,5 @@ def test_partition_inputs_without_a_process_group_or_with_offload_is_refused_in_
     assert "\n" not in str(refused.value)
     with pytest.raises(ValueError, match="offload_inputs or partition_inputs, not both"):
         remat.checkpoint(block, x, partition_inputs=object(), offload_inputs=True)
-    with pytest.raises(ValueError, match="need use_reentrant=False"):
+    with pytest.raises(ValueError, match="partition_inputs needs use_reentrant=False"):
         remat.checkpoint(block, x, partition_inputs=object(), use_reentrant=True)

@@ -54,6 +54,7 @@ _SOURCES = {
     "apply_activation_checkpointing": "api.modules",
     "checkpoint_wrapper": "api.modules",
     "measure_step": "planning.basics.memory",
+    "fake_world": "planning.basics.fakeworld",
     "models": "models",
     "CheckpointError": "engine.checks",
     "CheckpointFunction": "engine.reentrant",

@@ -215,9 +215,10 @@ def checkpoint(
                 f"remat: the reentrant checkpoint takes no keyword arguments for the function "
                 f"(got {', '.join(kwargs)}); pass use_reentrant=False or bind them with functools.partial."
             )
-        if context_fn is not noop_context_fn or debug or offload_inputs is not False or partition_inputs is not None:
-            raise ValueError("remat: context_fn, policy, debug, offload_inputs and partition_inputs need "
-                             "use_reentrant=False.")
+        if context_fn is not noop_context_fn or debug or offload_inputs is not False:
+            raise ValueError("remat: context_fn, policy, debug and offload_inputs need use_reentrant=False.")
+        if partition_inputs is not None:
+            raise ValueError("remat: partition_inputs needs use_reentrant=False.")
     metadata_fn = metadata_fn_for(determinism_check)
     if torch.compiler.is_compiling():
         # Traced by dynamo: the compiler rematerializes.  remat's engine must never be traced: its hooks and

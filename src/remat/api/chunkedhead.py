@@ -39,7 +39,7 @@ from torch import nn
 from ..engine.buffers import RegionBuffers
 from .chunkedloss import chunked_lm_loss
 
-__all__ = ["chunk_lm_head", "lm_head_chunks", "lm_head_refusal", "unchunk_lm_head"]
+__all__ = ["chunk_lm_head", "lm_head_chunks", "lm_head_probing", "lm_head_refusal", "unchunk_lm_head"]
 
 _CHUNKS = "_remat_lm_head_chunks"
 _PROVEN = "_remat_lm_head_proven"  # the call signatures whose loss the probe showed to be the chunked one
@@ -105,6 +105,17 @@ def lm_head_chunks(model: nn.Module) -> int | None:
         4
     """
     return getattr(model, _CHUNKS, None)
+
+
+def lm_head_probing(model: nn.Module) -> bool:
+    """Whether ``model``'s forward now is :func:`chunk_lm_head`'s probe (on a made-up or cut batch), not a call
+    of the user's: hooks that check the user's calls let it be.
+
+    Example:
+        >>> lm_head_probing(model)
+        False
+    """
+    return bool(getattr(model, _PROBING, False))
 
 
 def lm_head_refusal(model: nn.Module, *args: Any, **kwargs: Any) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..api.sequential import checkpointed_runs
 from .basics.discovery import chain_links, resolve_blocks
+from .basics.fakeworld import fake_ranks, meta_sharded
 from .basics.inputs import describe_inputs
 from .basics.kvcache import cache_off
 from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
@@ -200,7 +201,8 @@ def profile(
     (``torch.utils.flop_counter``) divided by ``throughput`` (FLOP/s of the target accelerator).  Yes/no
     checks a model makes on its data (transformers' "packed? padded?") are taken as the ordinary case
     (:class:`~remat.planning.basics.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
-    values is refused with a :class:`~remat.planning.basics.metadata.NeedsRealData` saying where.
+    values is refused with a :class:`~remat.planning.basics.metadata.NeedsRealData` saying where.  A model
+    sharded by FSDP2 in :func:`remat.fake_world` (N ranks, this process rank 0) profiles there as one rank of N.
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)       # a Hugging Face model
@@ -223,6 +225,7 @@ def profile(
     with (cache_off(model, example_kwargs, "remat.profile") as kwargs, on_meta or contextlib.nullcontext(),
           MetaKernels() if on_meta is not None else contextlib.nullcontext(),
           MetaLayouts() if on_meta is not None else contextlib.nullcontext(),
+          meta_sharded(model),
           measuring_afresh(fresh_timings), left_as_found(model),
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
@@ -263,6 +266,8 @@ def profile(
     if on_meta is not None and on_meta.answered:
         result.notes.append(f"on the meta device, the data checks at {', '.join(on_meta.answered)} were taken as "
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
+    if fake_ranks():
+        result.notes.append(f"rank 0 of a fake world of {fake_ranks()} ranks (remat.fake_world): peaks are one rank's")
     # trained by several ranks: rank 0's timings on every rank, one plan everywhere
     return ranks.same(ranks.per_rank(result))
 

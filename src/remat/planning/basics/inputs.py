@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...api.chunkedhead import lm_head_probing
 from .userline import user_stacklevel
 
 __all__ = ["InputShapeWarning", "describe_inputs", "input_mismatch", "unwatch", "watch_first_forward"]
@@ -105,6 +106,8 @@ def unwatch(model: nn.Module) -> None:
 
 def _check_first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():  # a traced hook's removal and warning would not happen: leave compiled code be
+        return
+    if lm_head_probing(module):  # chunk_lm_head's probe on a small cut of a call: not the user's first forward
         return
     planned = module.__dict__.get(_EXPECTED)
     unwatch(module)

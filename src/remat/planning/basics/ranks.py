@@ -49,7 +49,8 @@ P = TypeVar("P")
 
 
 def distributed() -> bool:
-    """Whether this process is one of several ranks of an initialized ``torch.distributed`` group.
+    """Whether this process is one of several ranks of an initialized ``torch.distributed`` group (a fake
+    group, :func:`remat.fake_world`, is this process alone).
 
     Example:
         >>> distributed()
@@ -57,7 +58,8 @@ def distributed() -> bool:
     """
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() != "fake")
 
 
 def unwrapped(model: nn.Module) -> nn.Module:

@@ -298,7 +298,9 @@ def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any]
         probe.close_backward()
     finally:
         probe.remove()
-    grad_bytes = sum(local(p.grad).untyped_storage().nbytes() for p in params if p.grad is not None)
+    # each storage once: FSDP2's gradient shards of one unit are views of one reduce-scatter output
+    grad_storages = {id(s): s for s in (local(p.grad).untyped_storage() for p in params if p.grad is not None)}
+    grad_bytes = sum(s.nbytes() for s in grad_storages.values())
     return timeline, probe, meter, grad_bytes
 
 
