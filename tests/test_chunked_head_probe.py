@@ -7,6 +7,7 @@ arguments do; the probe changes nothing a training loop sees (random state, buff
 """
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -167,3 +168,61 @@ def test_the_probe_is_not_taken_for_a_planned_model_first_forward():
         remat.unchunk_lm_head(plan.remove(model))
         plan.apply(model)
         model(input_ids=ids[:1], labels=ids[:1])
+
+
+def test_a_compiled_model_is_probed_as_an_eager_one():
+    """The proof runs eagerly (dynamo breaks the graph at it): a compiled call that adds the router's loss is
+    refused as the eager one is."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = remat.chunk_lm_head(mixtral().train(), chunks=2)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids = batch()
+    with pytest.raises(ValueError, match="when called with output_router_logits=True"):
+        compiled(input_ids=ids, labels=ids, output_router_logits=True)
+    torch._dynamo.reset()
+
+
+def test_a_loss_function_replaced_after_a_proven_call_is_probed_again():
+    torch.manual_seed(0)
+    model = remat.chunk_lm_head(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).train(), chunks=2)
+    ids = batch()
+    model(input_ids=ids, labels=ids)
+    own = model.loss_function
+    model.loss_function = lambda *args, **kwargs: own(*args, **kwargs) * 2  # e.g. an auxiliary term
+    with pytest.raises(ValueError, match="own loss"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_a_pickled_chunked_model_stays_chunked():
+    import pickle
+
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).train()
+    model = pickle.loads(pickle.dumps(remat.chunk_lm_head(copy.deepcopy(base), chunks=1)))
+    ids = batch()
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None and remat.lm_head_chunks(model) == 1
+    assert torch.equal(out.loss, base(input_ids=ids, labels=ids).loss)
+    assert "input_ids" in inspect.signature(model.forward).parameters  # what the Trainer's column filter reads
+
+
+def test_a_multimodal_call_is_probed_whole():
+    """Llava with the batch's one image in its second row: cutting the call to the first row would leave an
+    image with no image tokens; the probe runs the whole call, and the chunked loss is the model's own."""
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=16, patch_size=8, projection_dim=32)
+    text = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                    num_key_value_heads=2, vocab_size=101)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=100,
+                                   vision_feature_layer=-1, vision_feature_select_strategy="full")
+    torch.manual_seed(0)
+    base = transformers.LlavaForConditionalGeneration(cfg).train()
+    ids = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids[1, 2:7] = 100  # (16 / 8)^2 patches and the class token
+    pixels = torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    model = remat.chunk_lm_head(copy.deepcopy(base), chunks=1)
+    torch.manual_seed(2)
+    loss = model(input_ids=ids, pixel_values=pixels, labels=ids).loss
+    torch.manual_seed(2)
+    assert torch.equal(loss, base(input_ids=ids, pixel_values=pixels, labels=ids).loss)

@@ -19,7 +19,9 @@ def test_free_budgets_are_read():
     assert parse_budget("free") == Budget(free=True, margin_fraction=FREE_MARGIN, text="free")
     assert parse_budget("free-4GiB").margin_bytes == 4 * GiB
     assert parse_budget("free - 20%").margin_fraction == pytest.approx(0.2)
+    assert parse_budget("free-0").margin_bytes == 0
     for bad, words in (("free-x", "cannot read 'free-x' as a budget"), ("free-100%", "under 100%"),
+                       ("free-50", "write the margin with its unit (free-50GiB) or as a share of the device"),
                        ("freedom", "what the device has free (free, free-4GiB, free-20%)")):
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             parse_budget(bad)

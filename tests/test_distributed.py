@@ -54,3 +54,4 @@ def test_partitioned_inputs_keep_a_slice_per_rank_and_gather_in_backward(two_ran
     assert partitioned["gathers"] == 3 * 2  # 3 blocks, 2 steps
     assert all(a < b for a, b in zip(partitioned["forward_peaks"], results["save_collectives"]["forward_peaks"]))
     assert partitioned["bitwise"]
+    assert partitioned["inplace_refused"]  # an input changed in place after the save: refused, not wrong gradients

@@ -83,6 +83,20 @@ def _train(model):
     return counts, steps, peaks
 
 
+def _inplace_refused(mesh) -> bool:
+    """An input changed in place after the region saved it as a shard: backward must refuse it, as autograd does
+    without hooks (the unpack raises before its all-gather, on every rank alike)."""
+    weight = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True) * 2
+    y = remat.checkpoint(lambda t: (t @ weight).sin(), x, partition_inputs=PartitionInputs(mesh, min_bytes=0))
+    x.add_(1)
+    try:
+        y.sum().backward()
+    except RuntimeError as error:
+        return "modified in place" in str(error)
+    return False
+
+
 def run(report: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -98,6 +112,7 @@ def run(report: str) -> None:
             stats = [block.partition.stats for block in model.blocks]
             results[mode].update(kept=sum(s.kept_bytes for s in stats), whole=sum(s.whole_bytes for s in stats),
                                  gathers=sum(s.gathers for s in stats))
+    results["partitioned"]["inplace_refused"] = _inplace_refused(mesh)
     if dist.get_rank() == 0:
         with open(report, "w") as f:
             json.dump(results, f)

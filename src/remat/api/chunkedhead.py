@@ -11,13 +11,14 @@ model's forward runs unchanged.
 A model's loss is the chunked one only if its forward computes it from the output layer applied to the last
 hidden state and nothing else: a logit multiplier, a dense layer before the output embedding or a router's
 auxiliary loss make it another.  No list of model names keeps up with transformers, so the model proves it: a
-*probe* runs its own forward and the chunked one on one row of at most 16 tokens of the call, under
-``no_grad``, from the same random state, and compares the losses.  It runs when the head is installed (on a
-made-up batch) and again on the first training call of each *call signature* (the argument names, the flags
-and other plain values passed, the config, the output layer's hooks); a call whose loss differs is refused
-before anything is computed.  The probe leaves the random number generators and the model's buffers as it
-found them, and runs through the model's own ``__call__``, so wrappers' hooks (FSDP2's gathers) run as in
-training.
+*probe* runs its own forward and the chunked one on one row of at most 16 tokens of the call (the whole call
+where it has tensors other than token ids, labels, masks and positions: images, audio), under ``no_grad``, from
+the same random state, and compares the losses.  It runs when the head is installed (on a made-up batch) and
+again on the first training call of each *call signature* (the argument names, the flags and other plain
+values passed, the config, the loss function, the output layer's hooks), under ``torch.compile`` too; a call
+whose loss differs is refused before anything is computed.  The probe leaves the random number generators and
+the model's buffers as it found them, and runs through the model's own ``__call__``, so wrappers' hooks
+(FSDP2's gathers) run as in training.  What else a forward reads (an attribute, a global) is not watched.
 
 Only the Hugging Face conventions are used (``get_output_embeddings``, ``base_model``, ``logits_to_keep``), no
 import of transformers, so that plans (``remat.planning``) can install it too.
@@ -147,13 +148,29 @@ def lm_head_refusal(model: nn.Module, *args: Any, **kwargs: Any) -> str:
 
 
 def _install_chunked_forward(model: nn.Module) -> None:
-    """Make ``model``'s forward the chunked one, under the signature of its class's forward: the Hugging Face
-    Trainer keeps only the dataset columns that signature names (``*args, **kwargs`` would lose them all)."""
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _chunked_forward(self, *args, **kwargs)
+    model.forward = _ChunkedForward(model)
 
-    forward.__signature__ = inspect.signature(type(model).forward)  # type: ignore[attr-defined]
-    model.forward = types.MethodType(forward, model)
+
+class _ChunkedForward:
+    """The forward :func:`chunk_lm_head` installs on a model.
+
+    It shows the signature of the class's forward (the Hugging Face Trainer keeps only the dataset columns that
+    signature names), and it pickles as itself on the unpickled model (a bound method would be looked up again
+    by name on the half-built copy, and find the class's forward).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _chunked_forward(self.model, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(type(self.model).forward, self.model))
+
+    def __reduce__(self) -> tuple:
+        return _ChunkedForward, (self.model,)
 
 
 def _probe_through_call(model: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -181,23 +198,32 @@ def _probe_through_call(model: nn.Module, args: tuple, kwargs: dict) -> str:
 
 def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
-    signature = inspect.signature(forward)
-    bound = signature.bind(self, *args, **kwargs)
+    bound = inspect.signature(forward).bind(self, *args, **kwargs)
     labels = bound.arguments.get("labels")
     if labels is None or not self.training:
         return forward(*bound.args, **bound.kwargs)
-    probing = getattr(self, _PROBING, False)
-    if probing or not torch.compiler.is_compiling() and not labels.is_meta:
-        key = _call_key(self, bound)
-        proven = self.__dict__.setdefault(_PROVEN, set())
-        if probing or key not in proven:
-            refusal = _probe(self, bound)
-            if refusal:
-                raise _Refused(refusal)
-            proven.add(key)
-    if probing:
+    _prove(self, args, kwargs)
+    if getattr(self, _PROBING, False):
         return None
     return _chunked_loss_output(self, bound, getattr(self, _CHUNKS))
+
+
+@torch.compiler.disable
+def _prove(self: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Probe the call unless its signature was proven already (always while :func:`lm_head_refusal` probes);
+    refuse it if its loss is not the chunked one.  Eager under ``torch.compile`` too: dynamo breaks the graph
+    here, so a compiled model's calls are proven as an eager model's are."""
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+    if bound.arguments["labels"].is_meta:  # nothing to compute with
+        return
+    probing = getattr(self, _PROBING, False)
+    key = _call_key(self, bound)
+    proven = self.__dict__.setdefault(_PROVEN, set())
+    if probing or key not in proven:
+        refusal = _probe(self, bound)
+        if refusal:
+            raise _Refused(refusal)
+        proven.add(key)
 
 
 def _chunked_loss_output(self: nn.Module, bound: inspect.BoundArguments, chunks: int) -> Any:
@@ -256,13 +282,13 @@ def _probe_call(bound: inspect.BoundArguments) -> inspect.BoundArguments:
     labels are the row's tokens (the probe compares formulas, so every position should count)."""
     arguments = _arguments(bound)
     labels = arguments["labels"]
-    if labels.dim() != 2:  # an unbatched call: probed whole
-        return bound
-    rows, tokens = labels.shape
     tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
     mask = tensors.get("attention_mask")
-    known = set(tensors) <= _SEQUENCE_ARGUMENTS and (mask is None or mask.dim() == 2)
-    cut = min(tokens, _PROBE_TOKENS) if known else tokens
+    # other tensors (images, audio) relate to rows and tokens in the model's own ways: the call is probed whole
+    if labels.dim() != 2 or not set(tensors) <= _SEQUENCE_ARGUMENTS or (mask is not None and mask.dim() != 2):
+        return bound
+    rows, tokens = labels.shape
+    cut = min(tokens, _PROBE_TOKENS)
     small: dict[str, Any] = {}
     for name, value in tensors.items():
         if name == "cache_position":
@@ -288,13 +314,23 @@ def _probe_call(bound: inspect.BoundArguments) -> inspect.BoundArguments:
 
 def _call_key(model: nn.Module, bound: inspect.BoundArguments) -> tuple:
     """What decides whether a call's loss is the chunked one: the arguments' names, their plain values (flags,
-    strings), the tensors' ranks, the config and the output layer's hooks."""
+    strings), the tensors' ranks, the config, the loss function and the output layer's hooks."""
     head = model.get_output_embeddings()
     return (
         tuple(sorted((name, _value_key(value)) for name, value in _arguments(bound).items())),
         id(head), tuple(head._forward_hooks), tuple(head._forward_pre_hooks),
         repr(sorted(vars(getattr(model, "config", object())).items())),
+        _identity(getattr(model, "loss_function", None)),
     )
+
+
+def _identity(value: Any) -> Any:
+    """``value`` itself where it can be a key (a function), else its id (kept only for the call's duration)."""
+    try:
+        hash(value)
+    except TypeError:
+        return id(value)
+    return value
 
 
 def _value_key(value: Any) -> Any:

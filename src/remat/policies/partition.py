@@ -15,6 +15,7 @@ tensor subclasses (a DTensor is sharded already) and non-contiguous or small ten
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,16 @@ class PartitionStats:
 
 
 @dataclass(frozen=True)
-class _Shard:
+class _Saved:
+    """A tensor saved under the hooks: whole (``part`` is the tensor) or as this rank's slice of it.  ``owner``
+    and ``version``: the tensor's storage owner and version when saved; autograd's own check of an in-place
+    change after the save does not see through saved-tensor hooks, so the unpack checks it."""
+
     part: torch.Tensor
-    shape: torch.Size
+    shape: torch.Size | None  # None: kept whole
     numel: int
+    owner: weakref.ref
+    version: int
 
 
 class PartitionInputs(torch.autograd.graph.saved_tensors_hooks):
@@ -74,7 +81,7 @@ class PartitionInputs(torch.autograd.graph.saved_tensors_hooks):
         if (type(tensor) is not torch.Tensor or self.world == 1 or tensor.nbytes < self.min_bytes
                 or not tensor.is_contiguous() or (owner.is_leaf and (owner.requires_grad
                                                                      or isinstance(owner, nn.Parameter)))):
-            return tensor
+            return _Saved(tensor, None, tensor.numel(), weakref.ref(owner), tensor._version)
         flat = tensor.detach().reshape(-1)
         per_rank = -(-flat.numel() // self.world)
         part = flat.new_zeros(per_rank)
@@ -83,11 +90,17 @@ class PartitionInputs(torch.autograd.graph.saved_tensors_hooks):
         self.stats.sharded_tensors += 1
         self.stats.kept_bytes += part.nbytes
         self.stats.whole_bytes += tensor.nbytes
-        return _Shard(part, tensor.shape, flat.numel())
+        return _Saved(part, tensor.shape, flat.numel(), weakref.ref(owner), tensor._version)
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Shard):
-            return packed
+    def _unpack(self, packed: _Saved) -> torch.Tensor:
+        owner = packed.owner()
+        if owner is not None and owner._version != packed.version:
+            raise RuntimeError(
+                "remat: a checkpointed region's input saved under partition_inputs was modified in place "
+                f"after the region saved it (its version went from {packed.version} to {owner._version}); plain "
+                "autograd refuses this too. Clone the tensor before modifying it, or modify it before the region.")
+        if packed.shape is None:
+            return packed.part
         import torch.distributed as dist
 
         whole = packed.part.new_empty(packed.part.numel() * self.world)

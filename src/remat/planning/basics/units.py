@@ -170,6 +170,9 @@ def _free(margin: str | None, text: str) -> Budget:
         if not 0 <= fraction < 1:
             raise ValueError(f"budget {text}: the margin must be under 100% of the device's memory.")
         return Budget(free=True, margin_fraction=fraction, text=text)
+    if re.fullmatch(r"[0-9]*\.?[0-9]+", margin.strip()) and float(margin) != 0:  # a size typed carries its unit
+        raise ValueError(f"budget {text}: write the margin with its unit ({text.split('-')[0]}-{margin.strip()}GiB) "
+                         f"or as a share of the device ({text.split('-')[0]}-{margin.strip()}%).")
     try:
         return Budget(free=True, margin_bytes=parse_bytes(margin), text=text)
     except ValueError:
