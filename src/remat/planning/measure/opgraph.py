@@ -523,8 +523,8 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             device = str(device_of(tensors))
-            # FSDP2 blocks gathered by every rank first; tensor-parallel ones all timed alike (timings_cache(ranks))
-            with gathered(_timed_modules(records, estimated)), timings_cache(Ranks.of(model)) as cache:
+            ranks = Ranks.of(model)  # FSDP2 blocks gathered by every rank first; all timed alike (timings_cache)
+            with gathered(_timed_modules(records, estimated, ranks.same)), timings_cache(ranks) as cache:
                 if overheads is None:
                     overheads = cached_overheads(cache, device)
                     if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
@@ -576,13 +576,14 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
     return graphs, step_time
 
 
-def _timed_modules(records: dict[str, _BlockRecord], estimated: bool) -> list[nn.Module]:
-    """The modules :func:`_graphs` may time: the first block of each signature (none when times are estimated)."""
+def _timed_modules(records: dict[str, _BlockRecord], estimated: bool, same: Callable[[Any], Any]) -> list[nn.Module]:
+    """The modules :func:`_graphs` may time: the first block of each signature (none when times are estimated), by
+    rank 0's signatures where ranks time together (``same``), as :func:`_graphs` picks them."""
     if estimated:
         return []
     unpriced = Overheads(0.0, 0.0, 0.0, 0.0, 0.0)  # a signature does not depend on the machinery's prices
-    first = {_graph(record, estimated, unpriced).signature: record.module for record in reversed(records.values())}
-    return list(first.values())
+    first = {_graph(record, estimated, unpriced).signature: name for name, record in reversed(records.items())}
+    return [records[name].module for name in same(list(first.values()))]
 
 
 def _steady_times(record: _BlockRecord, n: int, repeats: int, unsteady: dict[str, float],
