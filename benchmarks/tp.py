@@ -161,7 +161,7 @@ def main() -> None:
     if rank == 0:
         print(f"mesh {world // options.tp} x {options.tp} (dp, tp), gloo, {STEPS} SGD steps")
         print(f"{'model':<6} {'budget':<6} {'rank':>4} {'blocks':>6} {'predicted':>11} {'measured per step':<36} "
-              f"{'worst':>7} {'all-reduces':>12} {'again':>5} {'bitwise':>7}")
+              f"{'worst':>7} {'(bytes)':>10} {'all-reduces':>11} {'again':>5} {'bitwise':>7}")
     for name in options.models:
         mine = _rows(name, mesh, options.budgets)
         every = [None] * world
@@ -180,7 +180,7 @@ def main() -> None:
                 reduces = ",".join(map(str, row["reduces"]))
                 print(f"{name:<6} {row['budget']:<6} {who:>4} {row.get('checkpointed', 0):>6} "
                       f"{format_bytes(row['predicted']):>11} {steps:<36} {worst / row['predicted']:>+7.1%} "
-                      f"{reduces:>12} {row['rerun']:>5} {str(row['bitwise']):>7}", flush=True)
+                      f"{worst:>+8} B {reduces:>11} {row['rerun']:>5} {str(row['bitwise']):>7}", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # gloo's threads may still drop the last tensors: no interpreter finalization to race with

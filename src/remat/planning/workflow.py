@@ -23,7 +23,7 @@ from .basics.discovery import chain_links, resolve_blocks
 from .basics.inputs import describe_inputs
 from .basics.kvcache import cache_off
 from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
-from .basics.ranks import Ranks
+from .basics.ranks import Ranks, mesh_of
 from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
@@ -298,7 +298,7 @@ def _what_is_profiled(model: nn.Module, args: tuple, kwargs: dict[str, Any], mod
     params = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
     return {"the model": describe_model(model, [])["model"],
             "parameters": f"{len(params)} tensors, {sum(math.prod(s) for _, s, _ in params)} elements",
-            "inputs": describe_inputs(args, kwargs), "the blocks asked for": modules}
+            "inputs": describe_inputs(args, kwargs), "the blocks asked for": modules, "the mesh": mesh_of(model)}
 
 
 def check_inputs(model: Any, args: tuple, kwargs: dict[str, Any], who: str = "remat.profile") -> None:
