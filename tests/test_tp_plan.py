@@ -85,6 +85,13 @@ def test_a_plan_refuses_a_model_on_another_mesh_in_one_line(per_rank, model):
         assert "\n" not in unsharded and "\n" not in other
 
 
+def test_a_split_output_layer_is_planned_without_the_chunked_head(per_rank):
+    for rank in per_rank:
+        case = rank["split_output_layer"]
+        assert case["head"] is False and case["chunks"] == 0, case
+        assert set(case["decisions"].values()) != {"keep"}, case
+
+
 def test_a_plan_made_without_a_mesh_refuses_a_tensor_parallel_model(monkeypatch):
     from torch import nn
 

@@ -6,8 +6,8 @@ Hugging Face Llama (``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-w
 Every rank profiles once and plans at 90% and 50%; each plan trains three SGD steps beside the same TP model
 without a plan: losses and local gradient shards compared bitwise, each step's per-rank peak measured by
 ``remat.measure_step``, the all-reduces each backward runs counted.  Then the plan is applied to the model without
-tensor parallel, and to one on a mesh with named dimensions.  Rank 0 writes every rank's results (gathered) to the
-JSON path :func:`run` is given.
+tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its output layer split too.
+Rank 0 writes every rank's results (gathered) to the JSON path :func:`run` is given.
 """
 
 import json
@@ -15,6 +15,7 @@ import json
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -133,10 +134,24 @@ def _case(name, build, mesh, named_mesh) -> dict:
     return result
 
 
+def _split_output_layer(mesh) -> dict:
+    """The Llama with its output layer split too (column-wise, logits gathered): planned without the chunked head,
+    whose loss reads the output layer's weight outside its forward."""
+    model = _llama(mesh)
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    tokens, targets = _batches("llama")[0]
+    prof = remat.profile(model, input_ids=tokens, labels=targets, repeats=1, hold_output=False)
+    plan = prof.plan("50%")
+    plan.apply(model)
+    model(input_ids=tokens, labels=targets).loss.backward()
+    return {"head": prof.head is not None, "chunks": plan.head_chunks, "decisions": plan.decisions}
+
+
 def run(report_path: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     named = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    mine = {"gpt": _case("gpt", _gpt, mesh, named), "llama": _case("llama", _llama, mesh, named)}
+    mine = {"gpt": _case("gpt", _gpt, mesh, named), "llama": _case("llama", _llama, mesh, named),
+            "split_output_layer": _split_output_layer(mesh)}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:

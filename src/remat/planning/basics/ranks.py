@@ -346,13 +346,15 @@ class Ranks:
     @property
     def chunked_head(self) -> bool:
         """Whether the output layer and loss may be planned in chunks: not on an FSDP2 model, whose output layer's
-        weight the chunked loss would read sharded, outside the root's forward.
+        weight the chunked loss would read sharded, outside the root's forward, nor where tensor parallel splits
+        the output layer (a DTensor weight, which the chunked loss's plain hidden states cannot meet).
 
         Example:
             >>> Ranks.of(model).chunked_head
             True
         """
-        return not sharded_units(self.model)
+        output_layer = getattr(self.model, "get_output_embeddings", lambda: None)()
+        return not sharded_units(self.model) and not (isinstance(output_layer, nn.Module) and on_mesh(output_layer))
 
     def agree(self, who: str, description: dict[str, Any]) -> None:
         """Raise ValueError on every rank if any rank's ``description`` differs from rank 0's (a collective
