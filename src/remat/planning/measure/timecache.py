@@ -7,7 +7,9 @@ their measurements, remat keeps these in a small JSON file per machine, keyed by
 the block's op graph (its ops, shapes, dtypes and bytes), the device, the thread count and the torch
 version.  A later profile of the same blocks on the same machine reads them instead of measuring again, so
 fresh processes plan alike, quiet or loaded.  A measurement is written under a file lock, and processes that
-profile at once wait for the first: they read what it measured.
+profile at once wait for the first: they read what it measured.  Ranks that profile one model together (FSDP2,
+tensor parallel: a timed run may be a collective) do not wait on each other there: rank 0 reads the file and
+hands its entries to every rank, all ranks make rank 0's choices of what to time, and rank 0 writes.
 
 The file is ``$REMAT_CACHE_DIR/timings.json`` (default ``~/.cache/remat``); ``REMAT_CACHE_DIR=off`` turns
 the cache off, and ``remat.profile(..., fresh_timings=True)`` (``remat plan --fresh-timings``) measures again
@@ -149,7 +151,8 @@ def _machine(device: str) -> str:
 
 
 class TimingCache:
-    """The timings file of this machine, read and written while :func:`timings_cache` holds its lock."""
+    """The timings file of this machine, read and written while :func:`timings_cache` holds its lock; ``same``:
+    rank 0's value on every rank where ranks time together (else the value itself)."""
 
     def __init__(self, path: Path | None, fresh: bool, same: Callable[[Any], Any] | None = None) -> None:
         self.path = path
