@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 MODELS = ("gpt", "llama")
 BUDGETS = ("90%", "50%")
+PLANS = (*BUDGETS, "every block")  # the plans at each budget, and every block checkpointed (prof.price)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_parameters_are_the_ranks_shards(per_rank, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("budget", PLANS)
 def test_per_rank_peaks_are_predicted_at_every_step_and_gradients_are_bitwise(per_rank, model, budget):
     """Within 3%, not to the byte: gloo's thread may let go of an all-reduce's buffer after the step's peak."""
     for rank in per_rank:
@@ -58,7 +59,7 @@ def test_per_rank_peaks_are_predicted_at_every_step_and_gradients_are_bitwise(pe
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("budget", PLANS)
 def test_backward_sends_again_exactly_the_collectives_the_plan_says(per_rank, model, budget):
     """A planned backward runs the unplanned one's all-reduces plus those its recomputations send again, as many as
     the plan predicts and prints; none where every recomputed block keeps what crossed the wire."""
@@ -68,9 +69,13 @@ def test_backward_sends_again_exactly_the_collectives_the_plan_says(per_rank, mo
         assert ("collectives again per step" in planned["printed"]) == (planned["rerun"] > 0), planned["printed"]
 
 
-def test_the_gpt_plan_recomputes_an_all_reduce_only_where_it_says_so(per_rank):
-    rerun = {budget: per_rank[0]["gpt"][budget]["rerun"] for budget in BUDGETS}
-    assert rerun["50%"] > 0, rerun  # the checkpointed blocks' row-wise all-reduces
+def test_checkpointed_blocks_send_their_all_reduce_again_where_the_recomputation_reaches_it(per_rank):
+    """The GPT's dropout after the down projection saves its mask, made from the all-reduced output: each of its 4
+    checkpointed blocks reruns that all-reduce.  The Llama's recomputation stops before its down projection."""
+    for rank in per_rank:
+        assert rank["gpt"]["every block"]["rerun"] == 4
+        assert rank["gpt"]["every block"]["reduces"] == [n + 4 for n in rank["gpt"]["unplanned_reduces"]]
+        assert rank["llama"]["every block"]["rerun"] == 0
 
 
 @pytest.mark.parametrize("model", MODELS)

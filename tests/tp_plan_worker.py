@@ -3,10 +3,11 @@ models, on every rank.
 
 The built-in GPT (``ColwiseParallel`` on each block's ``mlp.up``, ``RowwiseParallel`` on ``mlp.down``) and a tiny
 Hugging Face Llama (``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise) on a 1-D mesh of the two ranks.
-Every rank profiles once and plans at 90% and 50%; each plan trains three SGD steps beside the same TP model
-without a plan: losses and local gradient shards compared bitwise, each step's per-rank peak measured by
-``remat.measure_step``, the all-reduces each backward runs counted.  Then the plan is applied to the model without
-tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its output layer split too.
+Every rank profiles once, plans at 90% and 50% and prices every block checkpointed; each plan trains three SGD
+steps beside the same TP model without a plan: losses and local gradient shards compared bitwise, each step's
+per-rank peak measured by ``remat.measure_step``, the all-reduces each backward runs counted.  Then the plan is
+applied to the model without tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its
+output layer split too.
 Rank 0 writes every rank's results (gathered) to the JSON path :func:`run` is given.
 """
 
@@ -123,8 +124,9 @@ def _case(name, build, mesh, named_mesh) -> dict:
     whole = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's shape is the whole tensor's
     result = {"param_bytes": prof.param_bytes, "whole_param_bytes": whole, "profiled_peak": prof.peak_bytes,
               "unplanned": expected[2], "unplanned_reduces": expected[3]}
-    for budget in BUDGETS:
-        plan = prof.plan(budget)
+    plans = {budget: prof.plan(budget) for budget in BUDGETS}
+    plans["every block"] = prof.price(dict.fromkeys(plans["90%"].decisions, "checkpoint"))  # decisions fixed
+    for budget, plan in plans.items():
         got = _train(name, plan.apply(build(mesh)), batches)
         result[budget] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],
                           "bitwise": _bitwise(expected, got), "reduces": got[3],
