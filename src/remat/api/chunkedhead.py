@@ -202,17 +202,19 @@ def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels = bound.arguments.get("labels")
     if labels is None or not self.training:
         return forward(*bound.args, **bound.kwargs)
-    _prove(self, args, kwargs)
+    if torch.compiler.is_compiling():  # the proof runs eagerly: dynamo breaks the graph at it
+        torch.compiler.disable(_prove)(self, args, kwargs)
+    else:
+        _prove(self, args, kwargs)
     if getattr(self, _PROBING, False):
         return None
     return _chunked_loss_output(self, bound, getattr(self, _CHUNKS))
 
 
-@torch.compiler.disable
 def _prove(self: nn.Module, args: tuple, kwargs: dict) -> None:
     """Probe the call unless its signature was proven already (always while :func:`lm_head_refusal` probes);
-    refuse it if its loss is not the chunked one.  Eager under ``torch.compile`` too: dynamo breaks the graph
-    here, so a compiled model's calls are proven as an eager model's are."""
+    refuse it if its loss is not the chunked one.  Run eagerly under ``torch.compile`` too, so a compiled
+    model's calls are proven as an eager model's are."""
     bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
     if bound.arguments["labels"].is_meta:  # nothing to compute with
         return

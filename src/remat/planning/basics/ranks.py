@@ -17,13 +17,20 @@ never test for ranks or wrappers themselves; they ask this module:
   nothing), so no collective runs while a rank holds the timings file's lock;
 * :func:`gradient_buckets` / :meth:`Ranks.per_rank`: what DDP holds through every step (its gradient buckets),
   added to the profile of the module it wraps;
+* :func:`mesh_of`: the device mesh a tensor-parallel model's parameters are spread over (DTensor parameters
+  that ``parallelize_module`` made), recorded by a plan, which refuses a model on another mesh;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
   a model with its weights, FSDP2's by its factory and state dict (a plan's check trains two).
 
-On a model with neither DDP nor FSDP2 every answer is the plain one: the model itself, its own class, this
-process alone, nothing gathered or added.
+A tensor-parallel model's blocks run collectives in their forward (a row-wise layer's all-reduce), so every timed
+run of a block must run on every rank in the same order: its ranks profile together, and the timings file is
+read by rank 0 alone and its entries handed to every rank (:func:`~remat.planning.measure.timecache.timings_cache`),
+so that every rank decides alike what to time, with no lock held across a collective.
+
+On a model with neither DDP, FSDP2 nor DTensor parameters every answer is the plain one: the model itself, its own
+class, this process alone, nothing gathered or added.
 
 Example:
     >>> Ranks.of(model).agree("remat.profile", {"inputs": {"arg 0": "8x128"}})  # a collective for a DDP model
@@ -41,8 +48,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "original_class", "reshard",
-           "sharded_units", "storage_resizes", "unwrapped"]
+__all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "mesh_of", "on_mesh",
+           "original_class", "reshard", "sharded_units", "storage_resizes", "unwrapped"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -108,6 +115,53 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
         torch.Size([96, 32])
     """
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def mesh_of(model: nn.Module) -> dict[str, Any] | None:
+    """The device mesh ``model``'s tensor-parallel parameters are spread over, as plain data (its shape, its
+    dimensions' names and the world size), or None where it has none.
+
+    Tensor parallel's parameters are DTensors that ``parallelize_module`` made (FSDP2's sharded parameters are
+    DTensors too, but a plan made before ``fully_shard`` applies after it and the other way round: they are left
+    out, and of a 2-D model's parameters only the mesh tensor parallel spread them over is read).
+
+    Example:
+        >>> mesh_of(model)                 # ColwiseParallel / RowwiseParallel on 2 ranks
+        {'shape': [2], 'dims': ['tp'], 'world size': 2}
+    """
+    fsdp_managed = {id(p) for unit in sharded_units(model) for p in unit.parameters()}
+    for parameter in model.parameters():
+        mesh = getattr(parameter, "device_mesh", None)
+        if mesh is not None and id(parameter) in fsdp_managed:  # FSDP2 keeps the tensor-parallel spec it found
+            mesh = _tensor_parallel_mesh(parameter, model)
+        if mesh is not None:
+            import torch.distributed as dist
+
+            names = getattr(mesh, "mesh_dim_names", None)
+            return {"shape": list(mesh.shape), "dims": list(names) if names else None,
+                    "world size": dist.get_world_size() if dist.is_initialized() else 1}
+    return None
+
+
+def _tensor_parallel_mesh(parameter: nn.Parameter, model: nn.Module) -> Any:
+    """The tensor-parallel mesh of a parameter FSDP2 shards (None where it was not a DTensor before)."""
+    for unit in sharded_units(model):
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if fsdp_param.sharded_param is parameter:
+                spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) if fsdp_param.is_dtensor else None
+                return None if spec is None else spec.mesh
+    return None
+
+
+def on_mesh(model: nn.Module) -> bool:
+    """Whether ``model`` has tensor-parallel (DTensor) parameters: its forward runs collectives.
+
+    Example:
+        >>> on_mesh(parallelize_module(model, mesh, {"mlp.up": ColwiseParallel()}))
+        True
+    """
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -239,8 +293,9 @@ def reshard(model: nn.Module) -> None:
 @dataclass(frozen=True)
 class Ranks:
     """The ranks that profile and plan one model together: every rank of the process group when the model is
-    trained by several (wrapped in DDP or sharded by FSDP2 under an initialized group), else this process alone
-    (a plain model: a job may profile it on rank 0 only and hand the plan on with :func:`remat.broadcast_plan`).
+    trained by several (wrapped in DDP, sharded by FSDP2 or tensor parallel under an initialized group), else this
+    process alone (a plain model: a job may profile it on rank 0 only and hand the plan on with
+    :func:`remat.broadcast_plan`).
 
     ``model`` is the model to profile: DDP's ``.module``, whose step a rank runs alone, without collectives.
 
@@ -287,19 +342,21 @@ class Ranks:
             >>> Ranks.of(DistributedDataParallel(model)).together
             True
         """
-        wrapped = unwrapped(model) is not model or bool(sharded_units(model))
+        wrapped = unwrapped(model) is not model or bool(sharded_units(model)) or on_mesh(model)
         return cls(unwrapped(model), wrapped and distributed(), gradient_buckets(model))
 
     @property
     def chunked_head(self) -> bool:
         """Whether the output layer and loss may be planned in chunks: not on an FSDP2 model, whose output layer's
-        weight the chunked loss would read sharded, outside the root's forward.
+        weight the chunked loss would read sharded, outside the root's forward, nor where tensor parallel splits
+        the output layer (a DTensor weight, which the chunked loss's plain hidden states cannot meet).
 
         Example:
             >>> Ranks.of(model).chunked_head
             True
         """
-        return not sharded_units(self.model)
+        output_layer = getattr(self.model, "get_output_embeddings", lambda: None)()
+        return not sharded_units(self.model) and not (isinstance(output_layer, nn.Module) and on_mesh(output_layer))
 
     def agree(self, who: str, description: dict[str, Any]) -> None:
         """Raise ValueError on every rank if any rank's ``description`` differs from rank 0's (a collective

@@ -58,7 +58,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
-from ..basics.ranks import gathered
+from ..basics.ranks import Ranks, gathered
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -523,8 +523,8 @@ def profile_ops(
                 finalizer.detach()
             measure_policy = overheads is None
             device = str(device_of(tensors))
-            # an FSDP2 block's parameters gathered by every rank before the lock: its timed runs are this rank's own
-            with gathered(_timed_modules(records, estimated)), timings_cache() as cache:
+            ranks = Ranks.of(model)  # FSDP2 blocks gathered by every rank first; all timed alike (timings_cache)
+            with gathered(_timed_modules(records, estimated, ranks.same)), timings_cache(ranks) as cache:
                 if overheads is None:
                     overheads = cached_overheads(cache, device)
                     if estimated:  # copies at the roofline's bandwidth, like the estimated kernels (read + write)
@@ -546,25 +546,26 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
     """Every block's graph (blocks of one signature share one) timed from the cache or measured, and the step
     time those times go with (None without a ``step``)."""
     graphs: dict[str, BlockGraph] = {}
-    timed: dict[str, tuple[BlockGraph, _BlockRecord]] = {}  # per signature: the graph its blocks share, the one timed
+    shared: dict[str, BlockGraph] = {}  # per signature: the graph its blocks share
     for name, record in records.items():
         graph = _graph(record, estimated, overheads)
-        graphs[name] = timed.setdefault(graph.signature, (graph, record))[0]
+        graphs[name] = shared.setdefault(graph.signature, graph)
     if estimated:
         return graphs, None
     unsteady: dict[str, float] = {}  # block -> its forwards' spread, where they still varied: one line for them all
-    times, step_time = cached_times(
-        cache, device, {name: g.signature for name, g in graphs.items()}, step, key, _unsteady(),
-        lambda signature: dataclasses.asdict(_steady_times(timed[signature][1], len(timed[signature][0].nodes),
-                                                           repeats, unsteady)))
+    # ranks timing together time what rank 0's signatures pick (a collective's thread may free a storage late)
+    agreed = cache.same({name: g.signature for name, g in graphs.items()})
+    first = {signature: name for name, signature in reversed(agreed.items())}
+    times, step_time = cached_times(cache, device, agreed, step, key, _unsteady(), lambda signature: dataclasses.asdict(
+        _steady_times(records[first[signature]], len(graphs[first[signature]].nodes), repeats, unsteady, cache.same)))
     if unsteady:
-        first, more = next(iter(unsteady)), (f" and {len(unsteady) - 1} more blocks" if len(unsteady) > 1 else "")
+        first_name, more = next(iter(unsteady)), (f" and {len(unsteady) - 1} more blocks" if len(unsteady) > 1 else "")
         warnings.warn(UnsteadyTimings(
-            f"remat.profile: the forward of `{first}`{more} varied by up to {max(unsteady.values()):.0%} between "
+            f"remat.profile: the forward of `{first_name}`{more} varied by up to {max(unsteady.values()):.0%} between "
             "timed rounds (is the machine busy?); plans priced from these times may differ from run to run, and "
             "they are not cached: profile again on a quieter machine."), stacklevel=user_stacklevel())
-    for signature, (graph, _) in timed.items():
-        timing = OpTimes(**times[signature])
+    for name, graph in {id(g): (n, g) for n, g in graphs.items()}.values():
+        timing = OpTimes(**times[agreed[name]])
         graph.nodes = [replace(n, kernel_time=d, host_time=h, wall_time=w)
                        for n, d, h, w in zip(graph.nodes, timing.device, timing.host, timing.wall)]
         graph.forward_time = timing.forward
@@ -575,22 +576,25 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
     return graphs, step_time
 
 
-def _timed_modules(records: dict[str, _BlockRecord], estimated: bool) -> list[nn.Module]:
-    """The modules :func:`_graphs` may time: the first block of each signature (none when times are estimated)."""
+def _timed_modules(records: dict[str, _BlockRecord], estimated: bool, same: Callable[[Any], Any]) -> list[nn.Module]:
+    """The modules :func:`_graphs` may time: the first block of each signature (none when times are estimated), by
+    rank 0's signatures where ranks time together (``same``), as :func:`_graphs` picks them."""
     if estimated:
         return []
     unpriced = Overheads(0.0, 0.0, 0.0, 0.0, 0.0)  # a signature does not depend on the machinery's prices
-    first = {_graph(record, estimated, unpriced).signature: record.module for record in reversed(records.values())}
-    return list(first.values())
+    first = {_graph(record, estimated, unpriced).signature: name for name, record in reversed(records.items())}
+    return [records[name].module for name in same(list(first.values()))]
 
 
-def _steady_times(record: _BlockRecord, n: int, repeats: int, unsteady: dict[str, float]) -> OpTimes:
+def _steady_times(record: _BlockRecord, n: int, repeats: int, unsteady: dict[str, float],
+                  same: Callable[[float], float]) -> OpTimes:
     """The block's op times, measured again with more rounds where its forwards varied by more than
-    :data:`UNSTEADY` (or ``REMAT_UNSTEADY_SPREAD``); its spread in ``unsteady`` where they still did."""
+    :data:`UNSTEADY` (or ``REMAT_UNSTEADY_SPREAD``); its spread in ``unsteady`` where they still did.  Whether
+    to measure again is rank 0's call (``same``) where ranks time together."""
     timing, limit = _time_block(record, n, repeats), _unsteady()
-    if timing.spread > limit:
+    if same(timing.spread) > limit:
         timing = _time_block(record, n, 2 * repeats + 1)
-        if timing.spread > limit:
+        if same(timing.spread) > limit:
             unsteady[record.name] = timing.spread
     return pooled(timing, record.work)
 

@@ -51,7 +51,7 @@ from ...policies.rules import MATMUL_OPS, is_collective
 from .opgraph import BlockGraph
 from .timing import op_cost
 
-__all__ = ["BlockPrices", "forward_spared", "matmuls", "recompute_peak"]
+__all__ = ["BlockPrices", "collectives", "forward_spared", "matmuls", "recompute_peak"]
 
 _MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
 
@@ -219,3 +219,16 @@ def _running_peak(delta: list[int]) -> int:
         running += change
         peak = max(peak, running)
     return peak
+
+
+def collectives(graph: BlockGraph) -> list[tuple[str, int]]:
+    """The collectives a recomputation of the block runs again (op and call index; their waits left out): what
+    crossed the wire in its forward (a row-wise layer's all-reduce), sent again where the block is recomputed and
+    its outputs not kept (``save_matmuls`` and ``remat.policies.save_collectives`` keep them).
+
+    Example:
+        >>> collectives(prof.ops.blocks["blocks.0"])        # RowwiseParallel on the block's down projection
+        [('_c10d_functional.all_reduce.default', 0)]
+    """
+    return [(node.op, node.call) for node in graph.nodes[:graph.stop]
+            if is_collective(node.op) and not node.op.startswith("_c10d_functional.wait_tensor")]

@@ -7,7 +7,9 @@ their measurements, remat keeps these in a small JSON file per machine, keyed by
 the block's op graph (its ops, shapes, dtypes and bytes), the device, the thread count and the torch
 version.  A later profile of the same blocks on the same machine reads them instead of measuring again, so
 fresh processes plan alike, quiet or loaded.  A measurement is written under a file lock, and processes that
-profile at once wait for the first: they read what it measured.
+profile at once wait for the first: they read what it measured.  Ranks that profile one model together (FSDP2,
+tensor parallel: a timed run may be a collective) do not wait on each other there: rank 0 reads the file and
+hands its entries to every rank, all ranks make rank 0's choices of what to time, and rank 0 writes.
 
 The file is ``$REMAT_CACHE_DIR/timings.json`` (default ``~/.cache/remat``); ``REMAT_CACHE_DIR=off`` turns
 the cache off, and ``remat.profile(..., fresh_timings=True)`` (``remat plan --fresh-timings``) measures again
@@ -44,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..basics.ranks import Ranks
 from ..basics.userline import user_stacklevel
 
 __all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times", "measuring_afresh",
@@ -148,13 +151,16 @@ def _machine(device: str) -> str:
 
 
 class TimingCache:
-    """The timings file of this machine, read and written while :func:`timings_cache` holds its lock."""
+    """The timings file of this machine, read and written while :func:`timings_cache` holds its lock; ``same``:
+    rank 0's value on every rank where ranks time together (else the value itself)."""
 
-    def __init__(self, path: Path | None, fresh: bool) -> None:
+    def __init__(self, path: Path | None, fresh: bool, same: Callable[[Any], Any] | None = None) -> None:
         self.path = path
         self.fresh = fresh
         self.entries: dict[str, Any] = {}
+        self.written: dict[str, Any] = {}
         self.changed = False
+        self.same: Callable[[Any], Any] = same or (lambda value: value)
         if path is not None and path.exists():
             try:
                 self.entries = json.loads(path.read_text())
@@ -170,6 +176,7 @@ class TimingCache:
     def put(self, kind: str, key: str, device: str, value: Any) -> Any:
         """Keep ``value`` (plain JSON data) for ``key``; returns it."""
         self.entries[f"{kind}|{key}|{_machine(device)}"] = value
+        self.written[f"{kind}|{key}|{_machine(device)}"] = value
         self.changed = True
         return value
 
@@ -185,22 +192,57 @@ class TimingCache:
 
 
 @contextlib.contextmanager
-def timings_cache() -> Iterator[TimingCache]:
+def timings_cache(ranks: Ranks | None = None) -> Iterator[TimingCache]:
     """The machine's timings, locked against other processes until the block ends (then written back).
+
+    ``ranks`` that profile together a model whose blocks run collectives (tensor parallel): a timed run there
+    is a collective, which must run on every rank in the same order and never while a rank holds the lock
+    another waits for.  Rank 0 alone reads the file, under the lock, and hands its entries to every rank, so
+    all ranks find the same timings and time the same blocks; the lock is let go before that, and rank 0 takes
+    it again at the end to write what was measured.  ``cache.same(value)`` is then rank 0's ``value``.
 
     Example:
         >>> with timings_cache() as cache:
         ...     cache.get("ops", "3f2a...", "cpu")
     """
-    directory, fresh = cache_dir(), _fresh.get()
+    fresh = _fresh.get()
+    if ranks is None or not ranks.together:
+        with _locked() as path:
+            cache = TimingCache(path, fresh)
+            yield cache
+            cache._write()
+        return
+    import torch.distributed as dist
+
+    first = dist.get_rank() == 0
+    entries: dict[str, Any] = {}
+    if first:
+        with _locked() as path:
+            entries = TimingCache(path, fresh).entries
+    cache = TimingCache(None, fresh, ranks.same)
+    cache.entries = ranks.same(entries)
+    yield cache
+    if first and cache.written:
+        with _locked() as path:
+            kept = TimingCache(path, fresh)
+            kept.entries.update(cache.written)
+            kept.changed = True
+            kept._write()
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[Path | None]:
+    """The timings file's path, its lock held until the block ends; None where the cache is off or cannot be
+    written (a read-only home)."""
+    directory = cache_dir()
     if directory is None:
-        yield TimingCache(None, fresh=True)
+        yield None
         return
     try:
         directory.mkdir(parents=True, exist_ok=True)
         lock = open(directory / "timings.lock", "a")  # noqa: SIM115 - held for the block, closed below
     except OSError:  # a read-only home: measure as if there were no cache
-        yield TimingCache(None, fresh=True)
+        yield None
         return
     with lock:
         try:
@@ -209,9 +251,7 @@ def timings_cache() -> Iterator[TimingCache]:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except (ImportError, OSError):
             pass  # no advisory locks here (Windows): processes may measure the same blocks twice
-        cache = TimingCache(directory / "timings.json", fresh)
-        yield cache
-        cache._write()
+        yield directory / "timings.json"
 
 
 def model_key(model: torch.nn.Module, tensors: list[torch.Tensor]) -> str:
@@ -239,6 +279,7 @@ def cached_times(cache: TimingCache, device: str, blocks: dict[str, str], step: 
     Example:
         >>> times, step_time = cached_times(cache, "cpu", {"blocks.0": "3f2a"}, StepTime(0.02), key, 0.1, measure)
     """
+    step = cache.same(step)  # ranks that time together decide alike what is stale
     signatures = dict.fromkeys(blocks.values())
     times = {signature: cache.get("ops", signature, device) for signature in signatures}
     key = hashlib.sha1("|".join([model, *(f"{name}={sig}" for name, sig in blocks.items())]).encode()).hexdigest()[:16]

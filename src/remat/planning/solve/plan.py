@@ -33,7 +33,7 @@ from ...policies.schedule import schedule_hooks
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.inputs import unwatch, watch_first_forward
 from ..basics.kvcache import cache_off_in_training, restore_cache
-from ..basics.ranks import original_class, unwrapped
+from ..basics.ranks import mesh_of, original_class, unwrapped
 from ..basics.units import format_bytes
 from ..basics.userline import user_stacklevel
 
@@ -95,6 +95,18 @@ class Plan:
 
     def __post_init__(self) -> None:
         self._wrappers: dict[str, Callable[[nn.Module], nn.Module]] = {}  # per module: installers of custom options
+
+    @property
+    def collectives_rerun(self) -> int:
+        """How many collectives (a tensor-parallel block's all-reduces) the plan's recomputations send again in
+        each step's backward, beyond those backward runs anyway: 0 where every recomputed block keeps what
+        crossed the wire.
+
+        Example:
+            >>> plan.collectives_rerun
+            0
+        """
+        return sum(block.get("collectives", 0) for block in self.blocks.values())
 
     def _installer(self, name: str, decision: str) -> tuple[Callable[[nn.Module], nn.Module], Any]:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
@@ -289,6 +301,11 @@ class Plan:
             ahead = self.copies["ahead"]
             summary += (f"; copies bounded where {len(self.copies['drains'])} blocks start and where blocks end, "
                         "all out before the loss" + (f", back up to {format_bytes(ahead)} ahead" if ahead else ""))
+        if self.collectives_rerun:
+            rerun = ", ".join(f"{name} {block['collectives']}" for name, block in self.blocks.items()
+                              if block.get("collectives"))
+            summary += (f"; recomputation sends {self.collectives_rerun} collectives again per step ({rerun}), "
+                        "communication priced with the recomputation")
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(
@@ -384,8 +401,10 @@ def _kept_ops(policy: dict[str, Any] | None, shown: int = 4) -> str:
 
 def describe_model(model: nn.Module, blocks: Sequence[str]) -> dict[str, Any]:
     """What a plan for ``blocks`` of ``model`` was made for: the model's class, the blocks that could have
-    been planned (the planned ones and their siblings of the same class), and each planned block's class
-    and parameter shapes.  Plain data, stored in :attr:`Plan.meta`.
+    been planned (the planned ones and their siblings of the same class), each planned block's class
+    and parameter shapes, and the device mesh tensor parallel spread its parameters over
+    (:func:`~remat.planning.basics.ranks.mesh_of`; None: one process's whole tensors).  Plain data, stored in
+    :attr:`Plan.meta`.
 
     Example:
         >>> describe_model(remat.models.GPT(), ["blocks.0"])["blocks"]["blocks.0"]["class"]
@@ -395,7 +414,8 @@ def describe_model(model: nn.Module, blocks: Sequence[str]) -> dict[str, Any]:
     for name in blocks:
         block = _unwrapped(_find(model, name))
         described[name] = {"class": _class_name(block), "params": _shapes(block)}
-    return {"model": _class_name(model), "candidates": _same_kind(model, blocks), "blocks": described}
+    return {"model": _class_name(model), "candidates": _same_kind(model, blocks), "blocks": described,
+            "mesh": mesh_of(model)}
 
 
 def _class_name(module: nn.Module) -> str:
@@ -430,6 +450,9 @@ def _mismatch(plan: Plan, model: nn.Module) -> str:
     made_for = plan.meta.get("model")
     if made_for and made_for != _class_name(model):
         return f"this plan was made for a {_short(made_for)} and the model is a {type(_unwrapped(model)).__name__}"
+    if "mesh" in plan.meta and plan.meta["mesh"] != mesh_of(model):  # a per-rank plan: its bytes are one rank's
+        made_on, here = _on(plan.meta["mesh"]), _on(mesh_of(model))
+        return f"this plan was made for {made_on} and the model is {here.removeprefix('a model ')}"
     model_name = type(_unwrapped(model)).__name__
     for name in plan.decisions:
         block = _unwrapped(_find(model, name))
@@ -446,6 +469,14 @@ def _mismatch(plan: Plan, model: nn.Module) -> str:
             difference = _first_difference(shapes, expected["params"])
             return f"block `{name}` has other parameters than in the plan ({difference})"
     return ""
+
+
+def _on(mesh: dict[str, Any] | None) -> str:
+    """A model's device mesh in words."""
+    if mesh is None:
+        return "a model not tensor parallel (whole parameters on every rank)"
+    names = f" ({', '.join(mesh['dims'])})" if mesh["dims"] else ""
+    return f"tensor parallel on a mesh of shape {tuple(mesh['shape'])}{names} over {mesh['world size']} ranks"
 
 
 def _count_hint(model: nn.Module, plan: Plan) -> str:

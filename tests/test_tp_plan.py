@@ -1,0 +1,131 @@
+"""remat.profile and remat.plan on tensor-parallel models, on every rank of a torchrun job (two CPU ranks, gloo; the
+launch is conftest's ``two_rank_reports``, the ranks' work tests/tp_plan_worker.py), and a plan's mesh checked in
+one process."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+import remat
+from remat.planning.basics import ranks
+from remat.planning.solve.plan import describe_model
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+MODELS = ("gpt", "llama")
+BUDGETS = ("90%", "50%")
+PLANS = (*BUDGETS, "every block")  # the plans at each budget, and every block checkpointed (prof.price)
+
+
+@pytest.fixture(scope="module")
+def per_rank(two_rank_reports):
+    out, reports = two_rank_reports
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(reports["tp_plan_worker"].read_text())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_rank_profiles_and_plans_alike(per_rank, model):
+    """Every timed run of a block runs its all-reduce on every rank in the same order: no rank waits forever."""
+    first, second = (rank[model] for rank in per_rank)
+    assert first["profiled_peak"] == second["profiled_peak"]
+    for budget in BUDGETS:
+        assert first[budget]["decisions"] == second[budget]["decisions"]
+        assert first[budget]["predicted_peak"] == second[budget]["predicted_peak"]
+    assert set(first["50%"]["decisions"].values()) != {"keep"}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_parameters_are_the_ranks_shards(per_rank, model):
+    """Column- and row-wise layers hold half their weights on each of two ranks: fewer bytes than the whole."""
+    for rank in per_rank:
+        case = rank[model]
+        assert case["param_bytes"] < case["whole_param_bytes"], case
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("budget", PLANS)
+def test_per_rank_peaks_are_predicted_at_every_step_and_gradients_are_bitwise(per_rank, model, budget):
+    """Within 3%, not to the byte: gloo's thread may let go of an all-reduce's buffer after the step's peak."""
+    for rank in per_rank:
+        case = rank[model]
+        assert all(abs(m - case["profiled_peak"]) <= 0.03 * case["profiled_peak"] for m in case["unplanned"]), case
+        planned = case[budget]
+        assert planned["bitwise"], planned
+        assert len(planned["measured"]) == 3
+        for measured in planned["measured"]:
+            assert abs(measured - planned["predicted_peak"]) <= 0.03 * planned["predicted_peak"], planned
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("budget", PLANS)
+def test_backward_sends_again_exactly_the_collectives_the_plan_says(per_rank, model, budget):
+    """A planned backward runs the unplanned one's all-reduces plus those its recomputations send again, as many as
+    the plan predicts and prints; none where every recomputed block keeps what crossed the wire."""
+    for rank in per_rank:
+        case, planned = rank[model], rank[model][budget]
+        assert planned["reduces"] == [n + planned["rerun"] for n in case["unplanned_reduces"]], (case, planned)
+        assert ("collectives again per step" in planned["printed"]) == (planned["rerun"] > 0), planned["printed"]
+
+
+def test_checkpointed_blocks_send_their_all_reduce_again_where_the_recomputation_reaches_it(per_rank):
+    """The GPT's dropout after the down projection saves its mask, made from the all-reduced output: each of its 4
+    checkpointed blocks reruns that all-reduce.  The Llama's recomputation stops before its down projection."""
+    for rank in per_rank:
+        assert rank["gpt"]["every block"]["rerun"] == 4
+        assert rank["gpt"]["every block"]["reduces"] == [n + 4 for n in rank["gpt"]["unplanned_reduces"]]
+        assert rank["llama"]["every block"]["rerun"] == 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_plan_refuses_a_model_on_another_mesh_in_one_line(per_rank, model):
+    for rank in per_rank:
+        unsharded, other = rank[model]["unsharded"], rank[model]["other_mesh"]
+        assert unsharded.startswith("remat.Plan.apply: this plan was made for tensor parallel on a mesh of shape "
+                                    "(2,) over 2 ranks and the model is not tensor parallel"), unsharded
+        assert other.startswith("remat.Plan.apply: this plan was made for tensor parallel on a mesh of shape (2,) "
+                                "over 2 ranks and the model is tensor parallel on a mesh of shape (2,) (tp) over 2 "
+                                "ranks;"), other
+        assert "\n" not in unsharded and "\n" not in other
+
+
+def test_a_split_output_layer_is_planned_without_the_chunked_head(per_rank):
+    for rank in per_rank:
+        case = rank["split_output_layer"]
+        assert case["head"] is False and case["chunks"] == 0, case
+        assert set(case["decisions"].values()) != {"keep"}, case
+
+
+def test_a_plan_made_without_a_mesh_refuses_a_tensor_parallel_model(monkeypatch):
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plan = remat.Plan(decisions={"0": "checkpoint", "1": "keep"}, predicted_peak=0, predicted_extra_time=0.0,
+                      budget=0, baseline_peak=0, param_bytes=0, meta=describe_model(model, ["0", "1"]))
+    assert plan.meta["mesh"] is None
+    import remat.planning.solve.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "mesh_of", lambda _: {"shape": [2], "dims": ["tp"], "world size": 2})
+    with pytest.raises(ValueError, match=r"made for a model not tensor parallel .* and the model is tensor parallel "
+                                         r"on a mesh of shape \(2,\) \(tp\) over 2 ranks"):
+        plan.apply(model)
+
+
+def test_a_plan_without_a_recorded_mesh_applies_as_before():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    meta = describe_model(model, ["0", "1"])
+    del meta["mesh"]  # a plan saved before meshes were recorded
+    plan = remat.Plan(decisions={"0": "checkpoint", "1": "keep"}, predicted_peak=0, predicted_extra_time=0.0,
+                      budget=0, baseline_peak=0, param_bytes=0, meta=meta)
+    plan.apply(model)
+    assert isinstance(model[0], remat.ActivationWrapper)
+
+
+def test_a_model_without_dtensor_parameters_is_on_no_mesh():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert not ranks.on_mesh(model) and ranks.mesh_of(model) is None

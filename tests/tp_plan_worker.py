@@ -1,0 +1,161 @@
+"""A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): remat.profile and plan on tensor-parallel
+models, on every rank.
+
+The built-in GPT (``ColwiseParallel`` on each block's ``mlp.up``, ``RowwiseParallel`` on ``mlp.down``) and a tiny
+Hugging Face Llama (``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise) on a 1-D mesh of the two ranks.
+Every rank profiles once, plans at 90% and 50% and prices every block checkpointed; each plan trains three SGD
+steps beside the same TP model without a plan: losses and local gradient shards compared bitwise, each step's
+per-rank peak measured by ``remat.measure_step``, the all-reduces each backward runs counted.  Then the plan is
+applied to the model without tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its
+output layer split too.
+Rank 0 writes every rank's results (gathered) to the JSON path :func:`run` is given.
+"""
+
+import json
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import remat
+from remat.models import GPT, GPTConfig, synthetic_batch
+
+GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, vocab_size=16)
+STEPS = 3
+BUDGETS = ("90%", "50%")
+
+
+class _CountAllReduces(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_reduce.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gpt(mesh):
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG)
+    if mesh is not None:
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _llama(mesh):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if mesh is not None:
+        for layer in model.model.layers:
+            parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                 "down_proj": RowwiseParallel()})
+    return model
+
+
+def _batches(name):
+    generator = torch.Generator().manual_seed(7)  # tensor parallel: every rank the same batch
+    if name == "gpt":
+        return [synthetic_batch(GPT_CFG, 8, generator=generator) for _ in range(STEPS)]
+    return [(ids, ids) for ids in (torch.randint(0, 64, (4, 128), generator=generator) for _ in range(STEPS))]
+
+
+def _loss(name, model, tokens, targets):
+    if name == "gpt":
+        return model.loss(tokens, targets)
+    return model(input_ids=tokens, labels=targets).loss
+
+
+def _train(name, model, batches):
+    """Losses, local gradient shards, per-rank peaks (remat.measure_step) and backward all-reduces per step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads, peaks, reduces = [], [], [], []
+    for step, (tokens, targets) in enumerate(batches):
+        torch.manual_seed(step)  # dropout draws alike in both runs
+
+        def run(tokens=tokens, targets=targets):
+            opt.zero_grad()
+            loss = _loss(name, model, tokens, targets)
+            with _CountAllReduces() as counter:
+                loss.backward()
+            reduces.append(counter.count)
+            losses.append(loss.detach())
+            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
+            opt.step()
+
+        peaks.append(remat.measure_step(run, model, opt).peak_total)
+    return losses, grads, peaks, reduces
+
+
+def _bitwise(expected, got) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(expected[0], got[0])) and all(
+        torch.equal(a, b) for want, have in zip(expected[1], got[1]) for a, b in zip(want, have))
+
+
+def _refusal(plan, model) -> str:
+    try:
+        plan.apply(model)
+    except ValueError as error:
+        return str(error)
+    plan.remove(model)
+    return "applied"
+
+
+def _case(name, build, mesh, named_mesh) -> dict:
+    batches = _batches(name)
+    expected = _train(name, build(mesh), batches)
+    model = build(mesh)
+    tokens, targets = batches[0]
+    if name == "gpt":
+        prof = remat.profile(model, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten()), repeats=1, hold_output=False)
+    else:  # the loop keeps the loss, not the output
+        prof = remat.profile(model, input_ids=tokens, labels=targets, repeats=1, hold_output=False)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's shape is the whole tensor's
+    result = {"param_bytes": prof.param_bytes, "whole_param_bytes": whole, "profiled_peak": prof.peak_bytes,
+              "unplanned": expected[2], "unplanned_reduces": expected[3]}
+    plans = {budget: prof.plan(budget) for budget in BUDGETS}
+    plans["every block"] = prof.price(dict.fromkeys(plans["90%"].decisions, "checkpoint"))  # decisions fixed
+    for budget, plan in plans.items():
+        got = _train(name, plan.apply(build(mesh)), batches)
+        result[budget] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],
+                          "bitwise": _bitwise(expected, got), "reduces": got[3],
+                          "rerun": plan.collectives_rerun, "printed": str(plan)}
+    result["unsharded"] = _refusal(plan, build(None))
+    result["other_mesh"] = _refusal(plan, build(named_mesh))
+    return result
+
+
+def _split_output_layer(mesh) -> dict:
+    """The Llama with its output layer split too (column-wise, logits gathered): planned without the chunked head,
+    whose loss reads the output layer's weight outside its forward."""
+    model = _llama(mesh)
+    parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    tokens, targets = _batches("llama")[0]
+    prof = remat.profile(model, input_ids=tokens, labels=targets, repeats=1, hold_output=False)
+    plan = prof.plan("50%")
+    plan.apply(model)
+    model(input_ids=tokens, labels=targets).loss.backward()
+    return {"head": prof.head is not None, "chunks": plan.head_chunks, "decisions": plan.decisions}
+
+
+def run(report_path: str) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    named = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    mine = {"gpt": _case("gpt", _gpt, mesh, named), "llama": _case("llama", _llama, mesh, named),
+            "split_output_layer": _split_output_layer(mesh)}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        with open(report_path, "w") as f:
+            json.dump(gathered, f)
