@@ -133,3 +133,48 @@ def test_a_block_that_marks_profiler_regions_is_profiled_and_timed():
     graph = prof.ops.blocks["0"]
     assert not any(node.op.startswith("profiler.") for node in graph.nodes)
     assert graph.forward_time > 0
+
+
+SETTINGS_CHECKED = ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int")
+
+
+@pytest.mark.parametrize("wrapper", SETTINGS_CHECKED)
+def test_fsdp2_settings_plan_every_rank_to_the_byte_and_train_bitwise(per_rank, wrapper):
+    """bfloat16 parameters reduced in float32, CPU offload (on the CPU: the shards are on the host already, nothing
+    moves) and blocks resharded to one rank after forward (FSDP2 reads 1 as False): planned at 60%, applied after
+    wrapping; every SGD step of every rank within 3% of the prediction, gradients bitwise, nothing warned."""
+    first, second = (rank[wrapper] for rank in per_rank)
+    assert first["decisions"] == second["decisions"] and "checkpoint" in first["decisions"].values()
+    for case in (first, second):
+        assert case["applied_after"], case
+        assert case["warned"] == []
+        for measured, predicted in [*((m, case["profiled_peak"]) for m in case["unplanned_peaks"]),
+                                    *((m, case["predicted_peak"]) for m in case["planned_peaks"])]:
+            assert abs(measured - predicted) <= 0.03 * predicted, case
+
+
+def test_settings_no_run_has_checked_are_named_in_one_line_each():
+    """A fake world of 4 ranks (one process): blocks resharded to 2 ranks after forward are named with why; CPU
+    offload is named only where the shards' home is off the CPU (an accelerator's mesh, stood in for by the
+    groups' device: no accelerator here)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with remat.fake_world(4), torch.device("meta"):
+        mesh = init_device_mesh("cpu", (4,))
+        model = nn.Sequential(_Block(), _Block())
+        for block in model:
+            fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=2,
+                             offload_policy=fsdp.CPUOffloadPolicy(pin_memory=False))
+        fsdp.fully_shard(model, mesh=mesh)
+        on_cpu = ranks.unverified_settings(model)
+        for block in model:
+            block._get_fsdp_state()._fsdp_param_group.device = torch.device("meta")
+        off_cpu = ranks.unverified_settings(model)
+    assert on_cpu == off_cpu[:1]
+    assert off_cpu == [
+        "reshard_after_forward=2 (0, 1): backward gathers these blocks again over groups of that many ranks, which "
+        "plans have not been checked against (each gather up to 80 B); True, False and 1 hold",
+        "CPUOffloadPolicy (0, 1): the plan counts the parameter and gradient shards kept on the host as device "
+        "memory, an upper bound of the device's peak"]
+    assert ranks.unverified_settings(nn.Sequential(_Block())) == []
