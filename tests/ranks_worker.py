@@ -40,11 +40,14 @@ def _wrapped(model, wrapper: str):
     # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one.
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     settings = {"reshard_after_forward": wrapper != "fsdp2_kept", **SETTINGS.get(wrapper, {})}
-    for block in model.blocks:  # fsdp2_int: each block keeps a whole copy per rank from forward to backward
-        fully_shard(block, mesh=mesh, **{**settings, "reshard_after_forward": 1} if wrapper == "fsdp2_int" else settings)
+    # fsdp2_int: each block keeps a whole copy per rank from forward to backward (FSDP2 reads 1 as False)
+    per_block = {**settings, "reshard_after_forward": 1} if wrapper == "fsdp2_int" else settings
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **per_block)
     return fully_shard(model, mesh=mesh, **settings)
 
 
+SETTINGS_CHECKED = ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int")
 SETTINGS = {"fsdp2_bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
             "fsdp2_offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)}}  # pinning needs an accelerator
 
@@ -119,7 +122,8 @@ def _setting_case(wrapper: str, rank: int, budget: str) -> dict:
         prof = remat.profile(model, tokens, loss_fn=_loss_fn(targets), hold_output=False)  # as _train steps
     plan = prof.plan(budget)
     after = _train(plan.apply(model), batches)
-    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "applied_after": _bitwise(expected, after),
+    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
+            "applied_after": _bitwise(expected, after),
             "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2],
             "warned": [str(w.message) for w in caught if "reshard_after_forward" in str(w.message)
                        or "CPUOffloadPolicy" in str(w.message)]}
@@ -137,7 +141,7 @@ def _desynchronised(rank: int) -> str:
 def run(report_path: str) -> None:
     rank = dist.get_rank()
     mine = {wrapper: _case(wrapper, rank, "70%") for wrapper in ("fsdp2", "fsdp2_kept", "ddp")}
-    mine.update({wrapper: _setting_case(wrapper, rank, "60%") for wrapper in ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int")})
+    mine.update({wrapper: _setting_case(wrapper, rank, "60%") for wrapper in SETTINGS_CHECKED})
     mine["desynchronised"] = _desynchronised(rank)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

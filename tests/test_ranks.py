@@ -135,10 +135,7 @@ def test_a_block_that_marks_profiler_regions_is_profiled_and_timed():
     assert graph.forward_time > 0
 
 
-SETTINGS_CHECKED = ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int")
-
-
-@pytest.mark.parametrize("wrapper", SETTINGS_CHECKED)
+@pytest.mark.parametrize("wrapper", ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int"))
 def test_fsdp2_settings_plan_every_rank_to_the_byte_and_train_bitwise(per_rank, wrapper):
     """bfloat16 parameters reduced in float32, CPU offload (on the CPU: the shards are on the host already, nothing
     moves) and blocks resharded to one rank after forward (FSDP2 reads 1 as False): planned at 60%, applied after
