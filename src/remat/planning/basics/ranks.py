@@ -21,9 +21,8 @@ never test for ranks or wrappers themselves; they ask this module:
   that ``parallelize_module`` made), recorded by a plan, which refuses a model on another mesh;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
-* :func:`unverified_settings`: the FSDP2 settings a plan's per-rank peak does not hold to within 3% (a
-  ``reshard_after_forward`` to fewer ranks; ``CPUOffloadPolicy`` off the CPU), one line each, for the profile to
-  warn about;
+* :func:`unverified_settings`: the FSDP2 settings no measured run has held a plan's per-rank peak to
+  (``CPUOffloadPolicy`` off the CPU), one line each, for the profile to warn about;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
   a model with its weights, FSDP2's by its factory and state dict (a plan's check trains two).
 
@@ -280,50 +279,30 @@ def gathered(modules: Sequence[nn.Module]) -> Iterator[None]:
 
 
 def unverified_settings(model: nn.Module) -> list[str]:
-    """One line for each FSDP2 setting of ``model`` under which a step's peak may stray from the plan's by more
-    than 3%: what it is and why.
+    """One line for each FSDP2 setting of ``model`` under which no measured run has held a step's peak to the
+    plan's: what it is and why.
 
-    * ``reshard_after_forward=N``, 1 < N < the world: a block keeps an N-rank shard from forward to backward and
-      gathers it again over groups of N ranks, which no measured run has checked the plan against (a run of 2
-      ranks has no such N: FSDP2 reads 1 as False and the world as True, which hold).  The line names the
-      largest unit's parameter bytes, the size of one such gather.
-    * ``CPUOffloadPolicy`` on a mesh off the CPU: the shards and their gradients live on the host, which the
-      plan counts as the device's memory (an upper bound).  On the CPU offloading moves nothing: the shards are
-      on the host already; no line.
-
-    Mixed precision (``MixedPrecisionPolicy``) and ``reshard_after_forward`` True or False hold: no line.
+    ``CPUOffloadPolicy`` on a mesh off the CPU: the shards and their gradients live on the host, which the plan
+    counts as the device's memory (an upper bound).  On the CPU offloading moves nothing (the shards are on the
+    host already): no line.  Mixed precision (``MixedPrecisionPolicy``) and every ``reshard_after_forward`` hold:
+    no line.
 
     Example:
-        >>> unverified_settings(model)       # blocks sharded with reshard_after_forward=2 on 8 ranks
-        ['reshard_after_forward=2 (blocks.0, blocks.1, ...): backward gathers these blocks again ...']
+        >>> unverified_settings(model)       # blocks sharded with CPUOffloadPolicy on CUDA devices
+        ['CPUOffloadPolicy (blocks.0, blocks.1, ...): the plan counts ...']
     """
-    from .units import format_bytes
-
-    fsdp, regathered, offloaded, largest = _fsdp_module(), [], [], 0
+    fsdp, offloaded = _fsdp_module(), []
     for name, unit in model.named_modules():
         if fsdp is None or not isinstance(unit, fsdp):
             continue
         group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
-        if group is None:
-            continue
-        largest = max(largest, sum(p.sharded_param.numel() * p.sharded_param.element_size()
-                                   for p in group.fsdp_params))
-        after = getattr(group, "post_forward_mesh_info", None)
-        if after is not None and 1 < after.shard_mesh_size < group.mesh_info.shard_mesh_size:
-            regathered.append((name or "the root", after.shard_mesh_size))
         policy = type(getattr(group, "offload_policy", None)).__name__
         if policy == "CPUOffloadPolicy" and group.device.type != "cpu":
             offloaded.append(name or "the root")
-    lines = []
-    if regathered:
-        sizes = sorted({size for _, size in regathered})
-        lines.append(f"reshard_after_forward={'/'.join(map(str, sizes))} ({_named(n for n, _ in regathered)}): "
-                     "backward gathers these blocks again over groups of that many ranks, which plans have not been "
-                     f"checked against (each gather up to {format_bytes(largest)}); True, False and 1 hold")
-    if offloaded:
-        lines.append(f"CPUOffloadPolicy ({_named(offloaded)}): the plan counts the parameter and gradient shards "
-                     "kept on the host as device memory, an upper bound of the device's peak")
-    return lines
+    if not offloaded:
+        return []
+    return [f"CPUOffloadPolicy ({_named(offloaded)}): the plan counts the parameter and gradient shards kept on the "
+            "host as device memory, an upper bound of the device's peak"]
 
 
 def _named(names: Any, shown: int = 2) -> str:

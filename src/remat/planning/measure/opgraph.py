@@ -58,7 +58,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
-from ..basics.ranks import Ranks, gathered
+from ..basics.ranks import Ranks, gathered, sharded_units
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -504,7 +504,10 @@ def profile_ops(
     try:
         for _, module in blocks:
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
+            # Before FSDP2's post-forward hook: a block resharded to fewer ranks after forward copies its shard
+            # there, which its recomputation (FSDP2's hooks inert) does not run.
+            handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True,
+                                                        prepend=bool(sharded_units(module))))
         with left_as_found(model), torch.enable_grad():
             try:  # a storage dies when the block's code is done with it (StorageLife.dies)
                 with left_as_found(model), saved_tensors_hooks(Unheld.after(recorder.pack), Unheld.unpack), \
