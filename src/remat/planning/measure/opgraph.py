@@ -502,16 +502,13 @@ def profile_ops(
 
     handles = []
     try:
-        for _, module in blocks:
+        for _, module in blocks:  # a record ends before FSDP2's post-forward hook: no recomputation runs its copies
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            # Before FSDP2's post-forward hook: a block resharded to fewer ranks after forward copies its shard
-            # there, which its recomputation (FSDP2's hooks inert) does not run.
             handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True,
                                                         prepend=bool(sharded_units(module))))
         with left_as_found(model), torch.enable_grad():
             try:  # a storage dies when the block's code is done with it (StorageLife.dies)
-                with left_as_found(model), saved_tensors_hooks(Unheld.after(recorder.pack), Unheld.unpack), \
-                        recorder:
+                with left_as_found(model), saved_tensors_hooks(Unheld.after(recorder.pack), Unheld.unpack), recorder:
                     model(*example_inputs, **example_kwargs)
             except SavedTensorGone:  # a backward in the forward: storages live as the graph keeps them
                 recorder.forget()
