@@ -6,13 +6,15 @@ Run by hand under torchrun (CPU, gloo):
     ... benchmarks/ranks.py --models gpt --wrappers fsdp2 ddp --budgets 90% 70% 50%
 
 For each model (remat's GPT, a 4-layer Hugging Face Llama of hidden size 64) and each wrapper (FSDP2 per block
-then the root, resharded after forward or kept gathered; DDP; on request FSDP2 with bfloat16 parameters, or
-with blocks resharded to a world of 1 after forward), every rank profiles the wrapped model once
+then the root, resharded after forward or kept gathered; DDP; on request FSDP2 with bfloat16 parameters, with
+CPU offload (``pin_memory=False``), or with blocks resharded to half the world after forward: on 2 ranks 1, which
+FSDP2 reads as False), every rank profiles the wrapped model once
 (``remat.profile``, on every rank: rank 0's profile on all), plans at each budget, applies the plan to a fresh
 wrapped model and trains 3 SGD steps, each measured with ``remat.measure_step`` (MemTracker: the model
 and the optimizer tracked).  Rank 0 prints one row per model, wrapper, budget and rank: the plan's predicted
 peak (whole step) and each step's measured peak, and the largest difference (relative, and in bytes).  Every
-rank has its own batches.
+rank has its own batches.  A step holds the model's output until backward ends, as ``remat.profile`` measures
+by default.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planning.basics.units import format_bytes
 
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 STEPS = 3
 
@@ -78,16 +80,22 @@ def _wrapped(build, wrapper: str, plan=None):
     settings = {"reshard_after_forward": wrapper != "fsdp2_kept"}
     if wrapper == "fsdp2_bf16":
         settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # fsdp2_int: each block resharded after forward to a world of 1 (a whole copy per rank until backward)
-    per_block = {**settings, "reshard_after_forward": 1} if wrapper == "fsdp2_int" else settings
+    if wrapper == "fsdp2_offload":
+        settings["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pinned memory needs an accelerator
+    # fsdp2_int: each block resharded after forward to half the world (on 2 ranks, 1: a whole copy per rank until
+    # backward, which FSDP2 reads as False)
+    half = max(1, dist.get_world_size() // 2)
+    per_block = {**settings, "reshard_after_forward": half} if wrapper == "fsdp2_int" else settings
     for block in blocks:  # a planned block: its checkpoint wrapper, which the ModuleList holds now
         fully_shard(block, mesh=mesh, **per_block)
     return fully_shard(model, mesh=mesh, **settings), batches
 
 
 def _loss(model, args, kwargs, loss_fn):
+    """The model's output and its loss: the step holds the output until backward ends, as remat.profile's
+    default ``hold_output`` measures it (``out = model(x); out.loss.backward()``)."""
     output = model(*args, **kwargs)
-    return output.loss if loss_fn is None else loss_fn(output)
+    return output, output.loss if loss_fn is None else loss_fn(output)
 
 
 def _measured(model, batches) -> list[int]:
@@ -98,7 +106,9 @@ def _measured(model, batches) -> list[int]:
 
         def run(args=args, kwargs=kwargs, loss_fn=loss_fn):
             opt.zero_grad(set_to_none=True)
-            _loss(model, args, kwargs, loss_fn).backward()
+            output, loss = _loss(model, args, kwargs, loss_fn)
+            loss.backward()
+            del output
             opt.step()
 
         peaks.append(remat.measure_step(run, model, opt).peak_total)
@@ -128,7 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--wrappers", nargs="+", default=["fsdp2", "fsdp2_kept", "ddp"],
-                        choices=["fsdp2", "fsdp2_kept", "fsdp2_bf16", "fsdp2_int", "ddp"])
+                        choices=["fsdp2", "fsdp2_kept", "fsdp2_bf16", "fsdp2_int", "fsdp2_offload", "ddp"])
     parser.add_argument("--budgets", nargs="+", default=["90%", "60%", "50%"])
     options = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))

@@ -1,12 +1,15 @@
 """A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): remat.plan called on every rank of a GPT
 sharded by FSDP2 (per block, then the root; resharded after forward or not) and wrapped in DDP, the plan applied
 after wrapping (and, for FSDP2, before it), three SGD steps compared with the same wrapped model without a plan;
-remat.check_plan on every rank; then a rank whose batch has another shape than rank 0's.
+remat.check_plan on every rank; then a rank whose batch has another shape than rank 0's.  FSDP2's other settings
+(bfloat16 parameters with float32 reduction, CPU offload, blocks resharded to one rank after forward) are
+profiled, planned, applied after wrapping and trained the same way, lighter.
 
 Rank 0 writes what every rank saw (gathered) to the JSON path :func:`run` is given.
 """
 
 import json
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -17,9 +20,9 @@ import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
 
 try:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6
-    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 CFG = GPTConfig(vocab_size=128, seq_len=64, d_model=64, n_heads=4, n_layers=4)
 BATCH = 8  # per rank: activations well above one block's gathered parameters (see test_ranks)
@@ -36,9 +39,17 @@ def _wrapped(model, wrapper: str):
         return DDP(model)
     # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one.
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    settings = {"reshard_after_forward": wrapper != "fsdp2_kept", **SETTINGS.get(wrapper, {})}
+    # fsdp2_int: each block keeps a whole copy per rank from forward to backward (FSDP2 reads 1 as False)
+    per_block = {**settings, "reshard_after_forward": 1} if wrapper == "fsdp2_int" else settings
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=wrapper == "fsdp2")
-    return fully_shard(model, mesh=mesh, reshard_after_forward=wrapper == "fsdp2")
+        fully_shard(block, mesh=mesh, **per_block)
+    return fully_shard(model, mesh=mesh, **settings)
+
+
+SETTINGS_CHECKED = ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int")
+SETTINGS = {"fsdp2_bf16": {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+            "fsdp2_offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)}}  # pinning needs an accelerator
 
 
 def _batches(rank: int, batch: int = BATCH):
@@ -99,6 +110,25 @@ def _case(wrapper: str, rank: int, budget: str) -> dict:
             "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2]}
 
 
+def _setting_case(wrapper: str, rank: int, budget: str) -> dict:
+    """An FSDP2 setting: profiled on every rank, planned, applied after wrapping, trained against the same wrapped
+    model without a plan; what remat.profile warned of."""
+    batches = _batches(rank)
+    expected = _train(_wrapped(_gpt(), wrapper), batches)
+    model = _wrapped(_gpt(), wrapper)
+    tokens, targets = batches[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = remat.profile(model, tokens, loss_fn=_loss_fn(targets), hold_output=False)  # as _train steps
+    plan = prof.plan(budget)
+    after = _train(plan.apply(model), batches)
+    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
+            "applied_after": _bitwise(expected, after),
+            "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2],
+            "warned": [str(w.message) for w in caught if "reshard_after_forward" in str(w.message)
+                       or "CPUOffloadPolicy" in str(w.message)]}
+
+
 def _desynchronised(rank: int) -> str:
     tokens, targets = _batches(rank, batch=BATCH if rank == 0 else BATCH // 2)[0]
     try:
@@ -111,6 +141,7 @@ def _desynchronised(rank: int) -> str:
 def run(report_path: str) -> None:
     rank = dist.get_rank()
     mine = {wrapper: _case(wrapper, rank, "70%") for wrapper in ("fsdp2", "fsdp2_kept", "ddp")}
+    mine.update({wrapper: _setting_case(wrapper, rank, "60%") for wrapper in SETTINGS_CHECKED})
     mine["desynchronised"] = _desynchronised(rank)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -133,3 +133,66 @@ def test_a_block_that_marks_profiler_regions_is_profiled_and_timed():
     graph = prof.ops.blocks["0"]
     assert not any(node.op.startswith("profiler.") for node in graph.nodes)
     assert graph.forward_time > 0
+
+
+@pytest.mark.parametrize("wrapper", ("fsdp2_bf16", "fsdp2_offload", "fsdp2_int"))
+def test_fsdp2_settings_plan_every_rank_to_the_byte_and_train_bitwise(per_rank, wrapper):
+    """bfloat16 parameters reduced in float32, CPU offload (on the CPU: the shards are on the host already, nothing
+    moves) and blocks resharded to one rank after forward (FSDP2 reads 1 as False): planned at 60%, applied after
+    wrapping; every SGD step of every rank within 3% of the prediction, gradients bitwise, nothing warned."""
+    first, second = (rank[wrapper] for rank in per_rank)
+    assert first["decisions"] == second["decisions"] and "checkpoint" in first["decisions"].values()
+    for case in (first, second):
+        assert case["applied_after"], case
+        assert case["warned"] == []
+        for measured, predicted in [*((m, case["profiled_peak"]) for m in case["unplanned_peaks"]),
+                                    *((m, case["predicted_peak"]) for m in case["planned_peaks"])]:
+            assert abs(measured - predicted) <= 0.03 * predicted, case
+
+
+def test_settings_no_run_has_checked_are_named_in_one_line_each():
+    """CPU offload is named only where the shards' home is off the CPU (an accelerator's mesh, stood in for by the
+    groups' device: no accelerator here); a block resharded to fewer ranks after forward holds (benchmarks/ranks.py
+    on 4 ranks), not named.  A fake world of 4 ranks, one process."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with remat.fake_world(4), torch.device("meta"):
+        mesh = init_device_mesh("cpu", (4,))
+        model = nn.Sequential(_Block(), _Block())
+        for block in model:
+            fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=2,
+                             offload_policy=fsdp.CPUOffloadPolicy(pin_memory=False))
+        fsdp.fully_shard(model, mesh=mesh)
+        on_cpu = ranks.unverified_settings(model)
+        for block in model:
+            block._get_fsdp_state()._fsdp_param_group.device = torch.device("meta")
+        off_cpu = ranks.unverified_settings(model)
+    assert on_cpu == []
+    assert off_cpu == ["CPUOffloadPolicy (0, 1): the plan counts the parameter and gradient shards kept on the host "
+                       "as device memory, an upper bound of the device's peak"]
+    assert ranks.unverified_settings(nn.Sequential(_Block())) == []
+
+
+def test_a_block_resharded_to_fewer_ranks_is_recorded_without_fsdp2s_post_forward_copy():
+    """reshard_after_forward=N copies a block's shard for N ranks in FSDP2's post-forward hook, which a recomputation
+    (FSDP2's hooks inert) does not run, nor the block's timed runs: its op graph is the one of a block resharded to
+    the whole world (else the timed runs ran fewer ops than recorded, and the profile failed)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from remat.models import GPT, GPTConfig
+
+    graphs = {}
+    for after in (True, 2):
+        with remat.fake_world(4):
+            with torch.device("meta"):
+                model = GPT(GPTConfig(vocab_size=128, seq_len=16, d_model=32, n_heads=2, n_layers=2))
+                tokens = torch.zeros(2, 16, dtype=torch.long)
+            mesh = init_device_mesh("cpu", (4,))
+            for block in model.blocks:
+                fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=after)
+            fsdp.fully_shard(model, mesh=mesh)
+            prof = remat.profile(model, tokens, loss_fn=lambda logits: logits.float().mean(), device="meta")
+        graphs[after] = [node.op for node in prof.ops.blocks["blocks.0"].nodes]
+    assert graphs[2] == graphs[True]

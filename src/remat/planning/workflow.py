@@ -24,7 +24,7 @@ from .basics.fakeworld import fake_ranks, meta_sharded
 from .basics.inputs import describe_inputs
 from .basics.kvcache import cache_off
 from .basics.metadata import MetaData, MetaKernels, MetaLayouts, NeedsRealData
-from .basics.ranks import Ranks, mesh_of
+from .basics.ranks import Ranks, mesh_of, unverified_settings
 from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
@@ -275,6 +275,9 @@ def profile(
                             "true (the ordinary case: for transformers' masks, sequences neither packed nor padded)")
     if fake_ranks():
         result.notes.append(f"rank 0 of a fake world of {fake_ranks()} ranks (remat.fake_world): peaks are one rank's")
+    for line in unverified_settings(model):
+        warnings.warn(f"remat.profile: {line}.", stacklevel=user_stacklevel())
+        result.notes.append(line)
     # trained by several ranks: rank 0's timings on every rank, one plan everywhere
     return ranks.same(ranks.per_rank(result))
 

@@ -21,6 +21,8 @@ never test for ranks or wrappers themselves; they ask this module:
   that ``parallelize_module`` made), recorded by a plan, which refuses a model on another mesh;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
+* :func:`unverified_settings`: the FSDP2 settings no measured run has held a plan's per-rank peak to
+  (``CPUOffloadPolicy`` off the CPU), one line each, for the profile to warn about;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
   a model with its weights, FSDP2's by its factory and state dict (a plan's check trains two).
 
@@ -49,7 +51,7 @@ import torch
 from torch import nn
 
 __all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "mesh_of", "on_mesh",
-           "original_class", "reshard", "sharded_units", "storage_resizes", "unwrapped"]
+           "original_class", "reshard", "sharded_units", "storage_resizes", "unverified_settings", "unwrapped"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -274,6 +276,38 @@ def gathered(modules: Sequence[nn.Module]) -> Iterator[None]:
             state._training_state = training_state
         for unit in units:
             unit.reshard()
+
+
+def unverified_settings(model: nn.Module) -> list[str]:
+    """One line for each FSDP2 setting of ``model`` under which no measured run has held a step's peak to the
+    plan's: what it is and why.
+
+    ``CPUOffloadPolicy`` on a mesh off the CPU: the shards and their gradients live on the host, which the plan
+    counts as the device's memory (an upper bound).  On the CPU offloading moves nothing (the shards are on the
+    host already): no line.  Mixed precision (``MixedPrecisionPolicy``) and every ``reshard_after_forward`` hold:
+    no line.
+
+    Example:
+        >>> unverified_settings(model)       # blocks sharded with CPUOffloadPolicy on CUDA devices
+        ['CPUOffloadPolicy (blocks.0, blocks.1, ...): the plan counts ...']
+    """
+    fsdp, offloaded = _fsdp_module(), []
+    for name, unit in model.named_modules():
+        if fsdp is None or not isinstance(unit, fsdp):
+            continue
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+        policy = type(getattr(group, "offload_policy", None)).__name__
+        if policy == "CPUOffloadPolicy" and group.device.type != "cpu":
+            offloaded.append(name or "the root")
+    if not offloaded:
+        return []
+    return [f"CPUOffloadPolicy ({_named(offloaded)}): the plan counts the parameter and gradient shards kept on the "
+            "host as device memory, an upper bound of the device's peak"]
+
+
+def _named(names: Any, shown: int = 2) -> str:
+    names = list(names)
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
 
 
 def reshard(model: nn.Module) -> None:

@@ -58,7 +58,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
-from ..basics.ranks import Ranks, gathered
+from ..basics.ranks import Ranks, gathered, sharded_units
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -502,13 +502,13 @@ def profile_ops(
 
     handles = []
     try:
-        for _, module in blocks:
+        for _, module in blocks:  # a record ends before FSDP2's post-forward hook: no recomputation runs its copies
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-            handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True))
+            handles.append(module.register_forward_hook(after, with_kwargs=True, always_call=True,
+                                                        prepend=bool(sharded_units(module))))
         with left_as_found(model), torch.enable_grad():
             try:  # a storage dies when the block's code is done with it (StorageLife.dies)
-                with left_as_found(model), saved_tensors_hooks(Unheld.after(recorder.pack), Unheld.unpack), \
-                        recorder:
+                with left_as_found(model), saved_tensors_hooks(Unheld.after(recorder.pack), Unheld.unpack), recorder:
                     model(*example_inputs, **example_kwargs)
             except SavedTensorGone:  # a backward in the forward: storages live as the graph keeps them
                 recorder.forget()
