@@ -236,3 +236,27 @@ def test_larger_blocks_are_advised_only_where_runs_of_these_were_not_weighed():
     chained = _one_line(str(remat.InfeasibleBudget(**common, chained=True)))
     assert "larger blocks" not in chained and chained.endswith("nor any run of them as one region: reduce the batch "
                                                                "/ sequence length.")
+
+
+def test_a_refusal_says_where_the_smallest_peak_falls():
+    """What dominates the floor: a large vocabulary's logits and their gradients (no block option changes them),
+    or, with a tiny one, a block's own forward or backward."""
+    import torch.nn.functional as F
+
+    from remat.models import GPT, GPTConfig, synthetic_batch
+
+    found = {}
+    for vocab, width in ((2000, 64), (64, 256)):
+        cfg = GPTConfig(n_layers=3, d_model=width, seq_len=64, vocab_size=vocab)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        tokens, targets = synthetic_batch(cfg, 2)
+        prof = remat.profile(model, tokens, loss_fn=lambda out, t=targets: F.cross_entropy(out.flatten(0, 1),
+                                                                                           t.flatten()), ops=False)
+        with pytest.raises(remat.InfeasibleBudget) as refused:
+            prof.plan(0.05)
+        found[vocab] = str(refused.value)
+        assert "\n" not in found[vocab]
+    assert "reaches is" in found[2000] and "in the output layer and loss's backward" in found[2000]
+    assert "remat.chunked_lm_loss" in found[2000]
+    assert "`blocks." in found[64] and "output layer" not in found[64]

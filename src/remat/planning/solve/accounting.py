@@ -47,6 +47,7 @@ class Accounting:
         # forward of block p itself is forward[p], which its option lowers (a recomputing forward saves less)
         self.checks: list[list[tuple[int, int, list[tuple[int, int]]]]] = [[] for _ in range(n + 1)]
         self.in_backward: list[list[bool]] = [[] for _ in range(n + 1)]  # per check: a stretch of backward
+        self.labels: list[list[str]] = [[] for _ in range(n + 1)]  # per check: its stretch, as the profile names it
         self.forward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n
         self.backward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's peak
         self.restart: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's start
@@ -80,6 +81,7 @@ class Accounting:
             elif q is None:
                 self.checks[seg.prefix].append((seg.peak, const, varying))
                 self.in_backward[seg.prefix].append(seg.backward)
+                self.labels[seg.prefix].append(seg.label)
             else:
                 self.backward[q] = (seg.peak, const, varying)
                 self.restart[q] = (seg.start, *self._start_terms(prof, previous, q, holders))

@@ -57,13 +57,18 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
             for p, option in placed:
                 if option.name == "keep":
                     continue
-                without = [list(choices) for choices in options]
-                without[p] = [o for o in without[p] if o is not option]
-                other = cheapest(prof, first.budget, without)
-                if other is not None and _key(other) not in found:
-                    found[_key(other)] = other
-                    kinds.add(_kind(other))
-                    runners_up.append(other)
+                # without this option on this block, then on every block: alike blocks would otherwise take it
+                # in turn, the same choices placed otherwise, and the search never leave them
+                for blocks in ([p], range(len(options))):
+                    without = [list(choices) for choices in options]
+                    for q in blocks:
+                        without[q] = [o for o in without[q] if _option_kind(o) != _option_kind(option)]
+                    other = cheapest(prof, first.budget, without)
+                    if other is not None and _key(other) not in found:
+                        found[_key(other)] = other
+                        if _kind(other) not in kinds:  # a new choice of options: its own runners-up to look at
+                            kinds.add(_kind(other))
+                            runners_up.append(other)
         frontier = sorted(runners_up, key=_extra_time)
     others = [plan_of(prof, placed, first.budget) for placed in found.values()]
     # the solver's first may be a rule that equals one found here
@@ -140,5 +145,9 @@ def _extra_time(placed: _Placed) -> float:
     return sum(o.extra_time for _, o in placed)
 
 
+def _option_kind(option: BlockOption) -> tuple:
+    return option.name, option.span, option.kept, option.extra_time
+
+
 def _kind(placed: _Placed) -> tuple:
-    return tuple(sorted((o.name, o.span, o.kept, o.extra_time) for _, o in placed))
+    return tuple(sorted(_option_kind(o) for _, o in placed))

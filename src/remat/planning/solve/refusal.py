@@ -27,18 +27,19 @@ class InfeasibleBudget(ValueError):
     may start at, ``in_place`` the layers among them built to (``nn.ReLU(inplace=True)``), and ``unwritten`` the
     smallest peak were they not to (None: not lower, so no advice about them); ``nothing_frees``: no option of the
     blocks frees memory, and ``chained``: runs of them as one region were weighed too, so larger blocks made of
-    them would free no more; ``unavailable``: a sentence on the options asked for that this device cannot have.
+    them would free no more; ``unavailable``: a sentence on the options asked for that this device cannot have;
+    ``where``: the stretch of the step where the smallest peak falls, in words (what dominates it).
     ``reasons`` holds these, to state them again for another budget or smallest peak.
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
                  requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = (),
                  in_place: Sequence[str] = (), unwritten: int | None = None, unavailable: str = "",
-                 chained: bool = False) -> None:
+                 chained: bool = False, where: str = "") -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
         self.reasons: dict[str, Any] = {"nothing_frees": nothing_frees, "writing": tuple(writing),
                                         "in_place": tuple(in_place), "unwritten": unwritten,
-                                        "unavailable": unavailable, "chained": chained}
+                                        "unavailable": unavailable, "chained": chained, "where": where}
         asked = ""
         if isinstance(requested, float):
             asked = f"{requested:.0%} came to "
@@ -71,7 +72,7 @@ class InfeasibleBudget(ValueError):
             advice = f"{unavailable} {advice}"
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
-            f"{both(smallest)}. {advice}"
+            f"{both(smallest)}{f', {where}' if where else ''}. {advice}"
         )
 
 
