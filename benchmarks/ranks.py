@@ -131,10 +131,11 @@ def _measured(model, batches) -> dict:
             loss.backward()
             del output
             losses.append(loss.detach())
-            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
             opt.step()
 
         peaks.append(remat.measure_step(run, model, opt).peak_total)
+        # copied after the measured step: copies made inside it would count a second set of gradients at its end
+        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
     return {"peaks": peaks, "losses": losses, "grads": grads}
 
 

@@ -74,10 +74,11 @@ def _train(model, batches):
             loss = _loss_fn(targets)(model(tokens))
             loss.backward()
             losses.append(loss.detach())
-            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
             opt.step()
 
         peaks.append(remat.measure_step(run, model, opt).peak_total)
+        # after the measured step: copies made inside it would count a second set of gradients at its end
+        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
     return losses, grads, peaks
 
 
@@ -159,11 +160,12 @@ def _train_gpt2(model, batches):
             output = model(input_ids=ids, labels=ids)
             output.loss.backward()
             losses.append(output.loss.detach())
-            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
             del output
             opt.step()
 
         peaks.append(remat.measure_step(run, model, opt).peak_total)
+        # after the measured step: copies made inside it would count a second set of gradients at its end
+        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
     return losses, grads, peaks
 
 
