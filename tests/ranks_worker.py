@@ -3,7 +3,8 @@ sharded by FSDP2 (per block, then the root; resharded after forward or not) and 
 after wrapping (and, for FSDP2, before it), three SGD steps compared with the same wrapped model without a plan;
 remat.check_plan on every rank; then a rank whose batch has another shape than rank 0's.  FSDP2's other settings
 (bfloat16 parameters with float32 reduction, CPU offload, blocks resharded to one rank after forward) are
-profiled, planned, applied after wrapping and trained the same way, lighter.
+profiled, planned, applied after wrapping and trained the same way, lighter.  A Hugging Face GPT-2 (tied
+embeddings, dropout, Conv1D) under FSDP2 is planned at 50% and refused at 30%.
 
 Rank 0 writes what every rank saw (gathered) to the JSON path :func:`run` is given.
 """
@@ -34,7 +35,7 @@ def _gpt() -> GPT:
     return GPT(CFG)
 
 
-def _wrapped(model, wrapper: str):
+def _wrapped(model, wrapper: str, blocks=None):
     if wrapper == "ddp":
         return DDP(model)
     # On the CPU by name: FSDP2's default mesh takes the accelerator where there is one.
@@ -42,7 +43,7 @@ def _wrapped(model, wrapper: str):
     settings = {"reshard_after_forward": wrapper != "fsdp2_kept", **SETTINGS.get(wrapper, {})}
     # fsdp2_int: each block keeps a whole copy per rank from forward to backward (FSDP2 reads 1 as False)
     per_block = {**settings, "reshard_after_forward": 1} if wrapper == "fsdp2_int" else settings
-    for block in model.blocks:
+    for block in model.blocks if blocks is None else blocks(model):
         fully_shard(block, mesh=mesh, **per_block)
     return fully_shard(model, mesh=mesh, **settings)
 
@@ -73,10 +74,11 @@ def _train(model, batches):
             loss = _loss_fn(targets)(model(tokens))
             loss.backward()
             losses.append(loss.detach())
-            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
             opt.step()
 
         peaks.append(remat.measure_step(run, model, opt).peak_total)
+        # after the measured step: copies made inside it would count a second set of gradients at its end
+        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
     return losses, grads, peaks
 
 
@@ -138,10 +140,59 @@ def _desynchronised(rank: int) -> str:
     return "no error"
 
 
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=4, n_head=4, use_cache=False)
+    torch.manual_seed(0)
+    return _wrapped(GPT2LMHeadModel(cfg).train(), "fsdp2", blocks=lambda model: model.transformer.h)
+
+
+def _train_gpt2(model, batches):
+    """As :func:`_train`, the step holding the model's output until backward ends."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads, peaks = [], [], []
+    for step, ids in enumerate(batches):
+        torch.manual_seed(step)
+
+        def run(ids=ids):
+            opt.zero_grad()
+            output = model(input_ids=ids, labels=ids)
+            output.loss.backward()
+            losses.append(output.loss.detach())
+            del output
+            opt.step()
+
+        peaks.append(remat.measure_step(run, model, opt).peak_total)
+        # after the measured step: copies made inside it would count a second set of gradients at its end
+        grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
+    return losses, grads, peaks
+
+
+def _gpt2_case(rank: int) -> dict:
+    """GPT-2 under FSDP2 (resharded after forward): planned at 50%, trained against the same model without a
+    plan; refused at 30%."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [torch.randint(0, 512, (2, 64), generator=generator) for _ in range(STEPS)]
+    expected = _train_gpt2(_gpt2(), batches)
+    prof = remat.profile(_gpt2(), input_ids=batches[0], labels=batches[0])
+    plan = prof.plan("50%")
+    after = _train_gpt2(plan.apply(_gpt2()), batches)
+    try:
+        prof.plan("30%")
+        refused = {}
+    except remat.InfeasibleBudget as error:
+        refused = {"smallest": error.smallest, "message": str(error)}
+    return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
+            "applied_after": _bitwise(expected, after), "profiled_peak": prof.peak_bytes,
+            "unplanned_peaks": expected[2], "planned_peaks": after[2], "refused": refused}
+
+
 def run(report_path: str) -> None:
     rank = dist.get_rank()
     mine = {wrapper: _case(wrapper, rank, "70%") for wrapper in ("fsdp2", "fsdp2_kept", "ddp")}
     mine.update({wrapper: _setting_case(wrapper, rank, "60%") for wrapper in SETTINGS_CHECKED})
+    mine["gpt2"] = _gpt2_case(rank)
     mine["desynchronised"] = _desynchronised(rank)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -10,6 +10,7 @@ from torch import nn
 
 import remat
 from remat.planning.basics import ranks
+from remat.planning.basics.units import format_bytes
 from remat.planning.solve.plan import describe_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -72,6 +73,25 @@ def test_a_rank_with_another_batch_shape_is_told_which_and_how(per_rank):
         assert message.startswith("remat.profile: rank 1 differs from rank 0 in inputs: arg 0 4x64 there, arg 0 8x64 "
                                   "on rank 0;"), message
         assert "\n" not in message
+
+
+def test_gpt2_under_fsdp2_plans_every_rank_alike_trains_bitwise_and_refuses_naming_the_smallest_peak(per_rank):
+    """Hugging Face GPT-2 (its output layer tied to the token embedding, dropout in training, Conv1D) sharded by
+    FSDP2: planned at 50% on every rank, each SGD step (holding the output through backward) within 3% of the
+    prediction and bitwise equal to the unplanned run; 30% refused with the smallest peak any plan reaches, which
+    is no more than the 50% plan's."""
+    first, second = (rank["gpt2"] for rank in per_rank)
+    assert first["decisions"] == second["decisions"] and first["predicted_peak"] == second["predicted_peak"]
+    assert "checkpoint" in first["decisions"].values()
+    for case in (first, second):
+        assert case["applied_after"], case
+        for measured, predicted in [*((m, case["profiled_peak"]) for m in case["unplanned_peaks"]),
+                                    *((m, case["predicted_peak"]) for m in case["planned_peaks"])]:
+            assert abs(measured - predicted) <= 0.03 * predicted, case
+        smallest = case["refused"]["smallest"]
+        assert smallest <= case["predicted_peak"]
+        assert "the smallest peak any plan reaches is " in case["refused"]["message"]
+        assert f"({format_bytes(smallest)} whole step)" in case["refused"]["message"]
 
 
 class _Block(nn.Module):
