@@ -186,3 +186,17 @@ def remat_cli(*args: str, cwd=None) -> Finished:
             if folder and str(getattr(module, "__file__", None) or "").startswith(folder + os.sep):
                 del sys.modules[name]
     return Finished(code, out.getvalue(), err.getvalue())
+
+
+class CountAllReduces(TorchDispatchMode):
+    """Counts the functional all-reduces that really run in its body (a dispatch mode outside a checkpoint's own
+    sees only the ops the checkpoint does not serve from what it kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_reduce.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))

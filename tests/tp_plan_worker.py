@@ -15,10 +15,10 @@ import json
 
 import torch
 import torch.distributed as dist
+from helpers import CountAllReduces
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
@@ -26,17 +26,6 @@ from remat.models import GPT, GPTConfig, synthetic_batch
 GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, vocab_size=16)
 STEPS = 3
 BUDGETS = ("90%", "50%")
-
-
-class _CountAllReduces(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_reduce.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _gpt(mesh):
@@ -86,7 +75,7 @@ def _train(name, model, batches):
         def run(tokens=tokens, targets=targets):
             opt.zero_grad()
             loss = _loss(name, model, tokens, targets)
-            with _CountAllReduces() as counter:
+            with CountAllReduces() as counter:
                 loss.backward()
             reduces.append(counter.count)
             losses.append(loss.detach())

@@ -15,9 +15,9 @@ import json
 
 import torch
 import torch.distributed as dist
+from helpers import CountAllReduces
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
@@ -33,17 +33,6 @@ MODES = {
     "save_collectives_and_names": remat.policies.save_collectives | remat.policies.save_names("unused"),
     "partitioned": "partitioned",  # save_collectives, each block's input kept as a half per rank
 }
-
-
-class _CountCollectives(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.all_reduce = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_reduce.default:
-            self.all_reduce += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _parallel(model, mesh, policy):
@@ -74,9 +63,9 @@ def _train(model):
         losses = []  # the forward's bytes at its end are what checkpointing frees: measured with the loss held
         peaks.append(measure_step(lambda: losses.append(model.loss(tokens, targets)), model).peak_above_params)  # noqa: B023
         loss = losses[0]
-        with _CountCollectives() as counter:
+        with CountAllReduces() as counter:
             loss.backward()
-        counts.append(counter.all_reduce)
+        counts.append(counter.count)
         steps.append([loss.detach().clone()] + [_local(p.grad).clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad(set_to_none=True)
