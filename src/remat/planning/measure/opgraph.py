@@ -58,7 +58,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
-from ..basics.ranks import Ranks, gathered, sharded_units
+from ..basics.ranks import Ranks, gathered, local, settle_collective, sharded_units
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -253,7 +253,9 @@ def _detached(x: Any) -> Any:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    """The tensors in ``tree``, a DTensor as the part this rank holds: sequence parallel's activations are DTensors,
+    whose own storage reads as the whole tensor's bytes and is not the memory their ops make and read."""
+    return [local(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -283,7 +285,7 @@ class _Recorder(TorchDispatchMode):
             record.packs += 1
             record.packs_needing_grad += t.requires_grad
             record.last_pack = record.ops
-            where = record.owner.get(t.untyped_storage())
+            where = record.owner.get(local(t).untyped_storage())
             if where is not None and where >= 0:
                 record.lives[where].saved = True
             elif where is not None:
@@ -296,6 +298,7 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
         out = func(*args, **kwargs)
+        settle_collective(func)
         index = record.ops
         record.ops += 1
         call = record.calls.get(func, 0)
