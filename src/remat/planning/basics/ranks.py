@@ -21,6 +21,8 @@ never test for ranks or wrappers themselves; they ask this module:
   that ``parallelize_module`` made), recorded by a plan, which refuses a model on another mesh;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
+* :func:`settle_collective`: a pause after each collective's wait, so gloo's thread lets go of its buffers
+  before a count of live bytes goes on (their deaths would otherwise come at moments that vary);
 * :func:`unverified_settings`: the FSDP2 settings no measured run has held a plan's per-rank peak to
   (``CPUOffloadPolicy`` off the CPU), one line each, for the profile to warn about;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
@@ -112,8 +114,9 @@ def original_class(module: nn.Module) -> type:
     return next(base for base in cls.__mro__[1:] if not issubclass(base, fsdp))
 
 
-def settle_collective(op: object) -> None:
-    """After the wait of a collective, a moment for the process group's threads to let go of its buffers.
+def settle_collective(op: object, out: T) -> T:
+    """``out``, what ``op`` returned; after a collective's wait, first a moment for the process group's threads to
+    let go of its buffers.
 
     Gloo's worker thread marks a collective done before it drops its references to the buffers; when it drops
     them after this process's own, they die later (their deaths wait for the interpreter's lock), at a moment
@@ -121,10 +124,11 @@ def settle_collective(op: object) -> None:
     the program lets go of at once is sometimes counted alive for several more ops.
 
     Example:
-        >>> settle_collective(torch.ops._c10d_functional.wait_tensor.default)
+        >>> out = settle_collective(func, func(*args, **kwargs))    # in a dispatch mode's __torch_dispatch__
     """
     if op is _WAIT:
         time.sleep(_SETTLE_SECONDS)
+    return out
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -253,8 +253,7 @@ def _detached(x: Any) -> Any:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors in ``tree``, a DTensor as the part this rank holds: sequence parallel's activations are DTensors,
-    whose own storage reads as the whole tensor's bytes and is not the memory their ops make and read."""
+    # A DTensor (sequence parallel's activations) as the part this rank holds: its own storage reads as the whole's.
     return [local(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -297,10 +296,8 @@ class _Recorder(TorchDispatchMode):
         if record is None or func.namespace == "profiler":  # a wrapper's record_function marks (FSDP2's): no work
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
-        out = func(*args, **kwargs)
-        settle_collective(func)
-        index = record.ops
-        record.ops += 1
+        out = settle_collective(func, func(*args, **kwargs))
+        index, record.ops = record.ops, record.ops + 1
         call = record.calls.get(func, 0)
         record.calls[func] = call + 1
         needs, reads_input = set(), False

@@ -132,8 +132,7 @@ class _Timeline(TorchDispatchMode):
         return record.born_event <= moment and (record.died_event is None or record.died_event > moment)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        settle_collective(func)
+        out = settle_collective(func, func(*args, **(kwargs or {})))
         self.ops += 1
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
