@@ -1,20 +1,24 @@
-"""Per-rank predicted vs measured peaks, and backward all-reduces, of plans made on every rank of a tensor-parallel
-job: 1-D tensor parallel, or 2-D FSDP2 + tensor parallel.
+"""Per-rank predicted vs measured peaks, and backward collectives, of plans made on every rank of a tensor-parallel
+job: 1-D tensor parallel (sequence parallel too), or 2-D FSDP2 + tensor parallel.
 
 Run by hand under torchrun (CPU, gloo):
 
     PYTHONPATH=src OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 benchmarks/tp.py          # 2 x 2
     PYTHONPATH=src OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/tp.py --tp 2   # 1-D
+    PYTHONPATH=src OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/tp.py --tp 2 \
+        --models gpt_sp llama_sp                                                                    # sequence parallel
 
 The mesh is ``(world / tp, tp)`` with dimensions ``("dp", "tp")``.  For each model (remat's GPT, a 4-layer Hugging
 Face Llama), each block's MLP is split over the ``tp`` dimension (``ColwiseParallel`` on the up / gate
-projections, ``RowwiseParallel`` on the down projection); with more than one ``dp`` rank, every block and then
+projections, ``RowwiseParallel`` on the down projection; ``gpt_sp`` and ``llama_sp``: tensor and sequence parallel,
+:func:`_gpt_sp`, :func:`_llama_sp`); with more than one ``dp`` rank, every block and then
 the root are sharded by FSDP2 over ``dp``.  Every rank profiles the model once (``remat.profile``, on every rank:
 rank 0's profile on all), plans at each budget, applies the plan to a fresh model built the same way and trains 3
 SGD steps, each measured with ``remat.measure_step``.  Ranks of one ``tp`` group share their batches.  Rank 0
 prints one row per model, budget and rank: the plan's predicted peak, each step's measured peak, the largest
-difference, the all-reduces each backward ran, the collectives the plan says its recomputations send again, and
-whether the loss and gradient shards are bitwise those of the same model without a plan.
+difference, the collectives (all-reduces, all-gathers, reduce-scatters) each backward ran, those the plan says its
+recomputations send again, and whether the loss and gradient shards are bitwise those of the same model without
+a plan.  The sequence-parallel models are for a 1-D mesh (``--tp`` the world size).
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
@@ -41,15 +52,21 @@ except ImportError:  # torch < 2.6
 
 STEPS = 3
 GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, vocab_size=16)
+SP_GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=16, mlp_ratio=8, seq_len=64, vocab_size=16)
 
 
-class _CountAllReduces(TorchDispatchMode):
+_COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
+                torch.ops._c10d_functional.all_gather_into_tensor.default,
+                torch.ops._c10d_functional.reduce_scatter_tensor.default)
+
+
+class _CountCollectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_reduce.default:
+        if func in _COLLECTIVES:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -62,21 +79,71 @@ def _gpt(mesh):
     return model, model.blocks
 
 
-def _llama(mesh):
+def _gpt_sp(mesh):
+    """Sequence parallel too (docs/integrations.md): the fused qkv whole, the rest split as torchtitan's Llama."""
+    torch.manual_seed(0)
+    model = GPT(SP_GPT_CFG)
+    tp = mesh["tp"]
+    parallelize_module(model, tp, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(), "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for block in model.blocks:
+        parallelize_module(block, tp, {
+            "ln1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True),
+            "attn.proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))})
+    return model, model.blocks
+
+
+def _llama_model():
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=512, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                       use_cache=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _llama_sp(mesh):
+    """Sequence parallel as torchtitan splits its Llama.  The residual stream stays a DTensor (the model builds its
+    mask and rotary angles from the whole sequence's length), and the decoder layer calls attention with keyword
+    arguments: its input's layouts are given by name."""
+    model, tp = _llama_model(), mesh["tp"]
+    parallelize_module(model, tp, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    return model, model.model.layers
+
+
+def _llama(mesh):
+    model = _llama_model()
     for layer in model.model.layers:
         parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
                                                    "down_proj": RowwiseParallel()})
     return model, model.model.layers
 
 
-MODELS = {"gpt": _gpt, "llama": _llama}
+MODELS = {"gpt": _gpt, "llama": _llama, "gpt_sp": _gpt_sp, "llama_sp": _llama_sp}
 
 
 def _built(name: str, mesh, plan=None):
@@ -92,13 +159,13 @@ def _built(name: str, mesh, plan=None):
 
 def _batches(name: str, mesh):
     generator = torch.Generator().manual_seed(100 + mesh.get_local_rank("dp"))  # one batch per tp group
-    if name == "gpt":
+    if name.startswith("gpt"):
         return [synthetic_batch(GPT_CFG, 8, generator=generator) for _ in range(STEPS)]
     return [(ids, ids) for ids in (torch.randint(0, 64, (4, 128), generator=generator) for _ in range(STEPS))]
 
 
 def _loss(name, model, tokens, targets):
-    return model.loss(tokens, targets) if name == "gpt" else model(input_ids=tokens, labels=targets).loss
+    return model.loss(tokens, targets) if name.startswith("gpt") else model(input_ids=tokens, labels=targets).loss
 
 
 def _trained(name, model, batches):
@@ -111,7 +178,7 @@ def _trained(name, model, batches):
         def run(tokens=tokens, targets=targets):
             opt.zero_grad(set_to_none=True)
             loss = _loss(name, model, tokens, targets)
-            with _CountAllReduces() as counter:
+            with _CountCollectives() as counter:
                 loss.backward()
             reduces.append(counter.count)
             results.append([loss.detach(), *(getattr(p.grad, "_local_tensor", p.grad).clone()
@@ -126,7 +193,7 @@ def _rows(name: str, mesh, budgets: list[str]) -> list[dict]:
     batches = _batches(name, mesh)
     model = _built(name, mesh)
     tokens, targets = batches[0]
-    if name == "gpt":
+    if name.startswith("gpt"):
         prof = remat.profile(model, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), targets.flatten()), hold_output=False)
     else:
@@ -150,7 +217,7 @@ def _rows(name: str, mesh, budgets: list[str]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=list(MODELS))
     parser.add_argument("--budgets", nargs="+", default=["90%", "50%"])
     parser.add_argument("--tp", type=int, default=2, help="ranks per tensor-parallel group")
     options = parser.parse_args()
@@ -161,7 +228,7 @@ def main() -> None:
     if rank == 0:
         print(f"mesh {world // options.tp} x {options.tp} (dp, tp), gloo, {STEPS} SGD steps")
         print(f"{'model':<6} {'budget':<6} {'rank':>4} {'blocks':>6} {'predicted':>11} {'measured per step':<36} "
-              f"{'worst':>7} {'(bytes)':>10} {'all-reduces':>11} {'again':>5} {'bitwise':>7}")
+              f"{'worst':>7} {'(bytes)':>10} {'collectives':>11} {'again':>5} {'bitwise':>7}")
     for name in options.models:
         mine = _rows(name, mesh, options.budgets)
         every = [None] * world

@@ -1,10 +1,11 @@
-"""remat.profile and remat.plan on tensor-parallel models, on every rank of a torchrun job (two CPU ranks, gloo; the
-launch is conftest's ``two_rank_reports``, the ranks' work tests/tp_plan_worker.py), and a plan's mesh checked in
-one process."""
+"""remat.profile and remat.plan on tensor- (and sequence-) parallel models, on every rank of a torchrun job (two
+CPU ranks, gloo; the launch is conftest's ``two_rank_reports``, the ranks' work tests/tp_plan_worker.py), and a
+plan's mesh and a sequence-sharded activation's bytes checked in one process."""
 
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import remat
@@ -13,7 +14,7 @@ from remat.planning.solve.plan import describe_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-MODELS = ("gpt", "llama")
+MODELS = ("gpt", "llama", "gpt_sequence_parallel")
 BUDGETS = ("90%", "50%")
 PLANS = (*BUDGETS, "every block")  # the plans at each budget, and every block checkpointed (prof.price)
 
@@ -78,6 +79,19 @@ def test_checkpointed_blocks_send_their_all_reduce_again_where_the_recomputation
         assert rank["llama"]["every block"]["rerun"] == 0
 
 
+def test_sequence_parallel_keeps_what_crossed_the_wire(per_rank):
+    """Sequence parallel: per block, the attention and MLP inputs' all-gathers and their output projections'
+    reduce-scatters.  Every block checkpointed reruns the forward's 4 per block (4 blocks: 16 more in backward);
+    every block ``save_matmuls`` keeps their outputs: backward runs exactly the unplanned model's collectives, and
+    trains bitwise."""
+    for rank in per_rank:
+        case = rank["gpt_sequence_parallel"]
+        assert case["every block"]["rerun"] == 16, case["every block"]
+        assert case["every block"]["reduces"] == [n + 16 for n in case["unplanned_reduces"]]
+        assert case["save_matmuls"]["bitwise"], case["save_matmuls"]
+        assert case["save_matmuls"]["reduces"] == case["unplanned_reduces"], case
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_a_plan_refuses_a_model_on_another_mesh_in_one_line(per_rank, model):
     for rank in per_rank:
@@ -129,3 +143,30 @@ def test_a_model_without_dtensor_parameters_is_on_no_mesh():
 
     model = nn.Sequential(nn.Linear(4, 4))
     assert not ranks.on_mesh(model) and ranks.mesh_of(model) is None
+
+
+def _layer_norm_bytes(sequence_parallel: bool) -> list[int]:
+    """The bytes each op of two LayerNorm blocks makes, as the op graph records them, on 8 positions of a sequence
+    of 16: sequence parallel in a fake world of two ranks (the blocks see DTensors), or plain on the 8."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from remat.planning.measure.opgraph import profile_ops
+
+    model = nn.Sequential(nn.Sequential(nn.LayerNorm(16)), nn.Sequential(nn.LayerNorm(16)))
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    if sequence_parallel:
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model:  # its input, this rank's half of the sequence, read as Shard(1); a DTensor out
+            parallelize_module(block, mesh, {"0": SequenceParallel()})
+    graphs = profile_ops(model, x, modules=["0", "1"], timing="estimate").blocks
+    return [node.out_bytes for name in ("0", "1") for node in graphs[name].nodes if node.kind == "compute"]
+
+
+def test_the_op_graph_counts_a_sequence_sharded_activation_as_the_ranks_part():
+    """A DTensor's own storage reads as the whole tensor's bytes: the op graph counts the local part."""
+    plain = _layer_norm_bytes(False)
+    with remat.fake_world(2):
+        sharded = _layer_norm_bytes(True)
+    assert plain and sharded == plain, (sharded, plain)

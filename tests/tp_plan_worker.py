@@ -1,11 +1,13 @@
 """A two-rank check (tests/two_ranks.py runs it under torchrun, gloo): remat.profile and plan on tensor-parallel
 models, on every rank.
 
-The built-in GPT (``ColwiseParallel`` on each block's ``mlp.up``, ``RowwiseParallel`` on ``mlp.down``) and a tiny
-Hugging Face Llama (``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise) on a 1-D mesh of the two ranks.
+The built-in GPT (``ColwiseParallel`` on each block's ``mlp.up``, ``RowwiseParallel`` on ``mlp.down``), a tiny
+Hugging Face Llama (``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise), and the GPT tensor and
+sequence parallel (:func:`_gpt_sequence_parallel`), on a 1-D mesh of the two ranks.
 Every rank profiles once, plans at 90% and 50% and prices every block checkpointed; each plan trains three SGD
 steps beside the same TP model without a plan: losses and local gradient shards compared bitwise, each step's
-per-rank peak measured by ``remat.measure_step``, the all-reduces each backward runs counted.  Then the plan is
+per-rank peak measured by ``remat.measure_step``, the collectives each backward runs counted (the sequence-parallel
+GPT also trains with every block ``save_matmuls``).  Then the plan is
 applied to the model without tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its
 output layer split too.
 Rank 0 writes every rank's results (gathered) to the JSON path :func:`run` is given.
@@ -15,17 +17,44 @@ import json
 
 import torch
 import torch.distributed as dist
-from helpers import CountAllReduces
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
 
 GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, vocab_size=16)
+# More heads: attention's bytes grow, its collectives' do not, so the buffers gloo's thread may let go of after a
+# step's peak stay well under 3% of it.
+SEQUENCE_PARALLEL_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=16, mlp_ratio=8, seq_len=64, vocab_size=16)
 STEPS = 3
 BUDGETS = ("90%", "50%")
+
+
+_COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
+                torch.ops._c10d_functional.all_gather_into_tensor.default,
+                torch.ops._c10d_functional.reduce_scatter_tensor.default)
+
+
+class _CountCollectives(TorchDispatchMode):
+    """All-reduces, all-gathers and reduce-scatters (sequence parallel runs the last two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _COLLECTIVES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _gpt(mesh):
@@ -34,6 +63,34 @@ def _gpt(mesh):
     if mesh is not None:
         for block in model.blocks:
             parallelize_module(block.mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _gpt_sequence_parallel(mesh):
+    """Tensor and sequence parallel, as torchtitan splits its Llama: between the blocks' projections the residual
+    stream is a half of the sequence per rank; each LayerNorm runs on its half (``SequenceParallel``), attention
+    and MLP all-gather their input (``PrepareModuleInput``, ``Shard(1)`` to ``Replicate``) and their row-wise
+    output projections reduce-scatter back to halves.  The fused ``qkv`` stays whole on every rank (its columns are
+    q, k and v of all heads: a column-wise half would not be whole heads), so attention's output projection splits
+    its input's columns itself (``RowwiseParallel(input_layouts=Replicate())``)."""
+    torch.manual_seed(0)
+    model = GPT(SEQUENCE_PARALLEL_CFG)
+    if mesh is None:
+        return model
+    parallelize_module(model, mesh, {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    gathered_plain = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_output=True)  # the whole qkv's input: a plain tensor
+    for block in model.blocks:
+        parallelize_module(block, mesh, {
+            "ln1": SequenceParallel(), "attn": gathered_plain,
+            "attn.proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "ln2": SequenceParallel(), "mlp": gathered,
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))})
     return model
 
 
@@ -54,13 +111,13 @@ def _llama(mesh):
 
 def _batches(name):
     generator = torch.Generator().manual_seed(7)  # tensor parallel: every rank the same batch
-    if name == "gpt":
+    if name.startswith("gpt"):
         return [synthetic_batch(GPT_CFG, 8, generator=generator) for _ in range(STEPS)]
     return [(ids, ids) for ids in (torch.randint(0, 64, (4, 128), generator=generator) for _ in range(STEPS))]
 
 
 def _loss(name, model, tokens, targets):
-    if name == "gpt":
+    if name.startswith("gpt"):
         return model.loss(tokens, targets)
     return model(input_ids=tokens, labels=targets).loss
 
@@ -75,7 +132,7 @@ def _train(name, model, batches):
         def run(tokens=tokens, targets=targets):
             opt.zero_grad()
             loss = _loss(name, model, tokens, targets)
-            with CountAllReduces() as counter:
+            with _CountCollectives() as counter:
                 loss.backward()
             reduces.append(counter.count)
             losses.append(loss.detach())
@@ -105,7 +162,7 @@ def _case(name, build, mesh, named_mesh) -> dict:
     expected = _train(name, build(mesh), batches)
     model = build(mesh)
     tokens, targets = batches[0]
-    if name == "gpt":
+    if name.startswith("gpt"):
         prof = remat.profile(model, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), targets.flatten()), repeats=1, hold_output=False)
     else:  # the loop keeps the loss, not the output
@@ -120,6 +177,12 @@ def _case(name, build, mesh, named_mesh) -> dict:
         result[budget] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],
                           "bitwise": _bitwise(expected, got), "reduces": got[3],
                           "rerun": plan.collectives_rerun, "printed": str(plan)}
+    if name == "gpt_sequence_parallel":  # every block save_matmuls by hand: what crossed the wire is kept
+        model = build(mesh)
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = remat.checkpoint_wrapper(block, policy=remat.policies.save_matmuls)
+        got = _train(name, model, batches)
+        result["save_matmuls"] = {"bitwise": _bitwise(expected, got), "reduces": got[3]}
     result["unsharded"] = _refusal(plan, build(None))
     result["other_mesh"] = _refusal(plan, build(named_mesh))
     return result
@@ -142,6 +205,7 @@ def run(report_path: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     named = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     mine = {"gpt": _case("gpt", _gpt, mesh, named), "llama": _case("llama", _llama, mesh, named),
+            "gpt_sequence_parallel": _case("gpt_sequence_parallel", _gpt_sequence_parallel, mesh, named),
             "split_output_layer": _split_output_layer(mesh)}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

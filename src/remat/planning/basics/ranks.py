@@ -21,6 +21,8 @@ never test for ranks or wrappers themselves; they ask this module:
   that ``parallelize_module`` made), recorded by a plan, which refuses a model on another mesh;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
+* :func:`settle_collective`: a pause after each collective's wait, so gloo's thread lets go of its buffers
+  before a count of live bytes goes on (their deaths would otherwise come at moments that vary);
 * :func:`unverified_settings`: the FSDP2 settings no measured run has held a plan's per-rank peak to
   (``CPUOffloadPolicy`` off the CPU), one line each, for the profile to warn about;
 * :func:`reshard`: a model left sharded after a profile's forwards without backward; :func:`copy_of`: a copy of
@@ -43,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -51,10 +54,13 @@ import torch
 from torch import nn
 
 __all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "mesh_of", "on_mesh",
-           "original_class", "reshard", "sharded_units", "storage_resizes", "unverified_settings", "unwrapped"]
+           "original_class", "reshard", "settle_collective", "sharded_units", "storage_resizes", "unverified_settings",
+           "unwrapped"]
 
 T = TypeVar("T")
 P = TypeVar("P")
+_WAIT = torch.ops._c10d_functional.wait_tensor.default if hasattr(torch.ops, "_c10d_functional") else None
+_SETTLE_SECONDS = 0.001
 
 
 def distributed() -> bool:
@@ -106,6 +112,23 @@ def original_class(module: nn.Module) -> type:
     if fsdp is None or not issubclass(cls, fsdp):
         return cls
     return next(base for base in cls.__mro__[1:] if not issubclass(base, fsdp))
+
+
+def settle_collective(op: object, out: T) -> T:
+    """``out``, what ``op`` returned; after a collective's wait, first a moment for the process group's threads to
+    let go of its buffers.
+
+    Gloo's worker thread marks a collective done before it drops its references to the buffers; when it drops
+    them after this process's own, they die later (their deaths wait for the interpreter's lock), at a moment
+    that varies from run to run.  A profile counts the bytes alive at each op: without this pause a buffer
+    the program lets go of at once is sometimes counted alive for several more ops.
+
+    Example:
+        >>> out = settle_collective(func, func(*args, **kwargs))    # in a dispatch mode's __torch_dispatch__
+    """
+    if op is _WAIT:
+        time.sleep(_SETTLE_SECONDS)
+    return out
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ from ...policies.decisions import SAC_IGNORED_OPS, _is_random_write
 from ...policies.selective import create_selective_checkpoint_contexts
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.discovery import resolve_blocks
-from ..basics.ranks import Ranks, gathered, sharded_units
+from ..basics.ranks import Ranks, gathered, local, settle_collective, sharded_units
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
@@ -253,7 +253,8 @@ def _detached(x: Any) -> Any:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    # A DTensor (sequence parallel's activations) as the part this rank holds: its own storage reads as the whole's.
+    return [local(t) for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -283,7 +284,7 @@ class _Recorder(TorchDispatchMode):
             record.packs += 1
             record.packs_needing_grad += t.requires_grad
             record.last_pack = record.ops
-            where = record.owner.get(t.untyped_storage())
+            where = record.owner.get(local(t).untyped_storage())
             if where is not None and where >= 0:
                 record.lives[where].saved = True
             elif where is not None:
@@ -295,9 +296,8 @@ class _Recorder(TorchDispatchMode):
         if record is None or func.namespace == "profiler":  # a wrapper's record_function marks (FSDP2's): no work
             return func(*args, **kwargs)
         kind, random, written, by_value = _op_info(func)
-        out = func(*args, **kwargs)
-        index = record.ops
-        record.ops += 1
+        out = settle_collective(func, func(*args, **kwargs))
+        index, record.ops = record.ops, record.ops + 1
         call = record.calls.get(func, 0)
         record.calls[func] = call + 1
         needs, reads_input = set(), False

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...engine.replay import tensor_leaves
 from ...policies.rules import MATMUL_OPS
-from ..basics.ranks import local, storage_resizes
+from ..basics.ranks import local, settle_collective, storage_resizes
 from .opgraph import _op_info
 
 __all__ = ["Segment", "live_bytes_timeline"]
@@ -132,7 +132,7 @@ class _Timeline(TorchDispatchMode):
         return record.born_event <= moment and (record.died_event is None or record.died_event > moment)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = settle_collective(func, func(*args, **(kwargs or {})))
         self.ops += 1
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
