@@ -226,3 +226,27 @@ def test_a_multimodal_call_is_probed_whole():
     loss = model(input_ids=ids, pixel_values=pixels, labels=ids).loss
     torch.manual_seed(2)
     assert torch.equal(loss, base(input_ids=ids, pixel_values=pixels, labels=ids).loss)
+
+
+def test_a_forward_of_the_instance_own_is_put_back():
+    """A wrapper's forward on the instance (accelerate puts one there) survives the probe a profile runs, and
+    unchunk_lm_head gives it back."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).train()
+    calls = []
+    own = model.forward
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    model.forward = wrapped
+    ids = batch()
+    from remat.api.chunkedhead import lm_head_refusal
+
+    assert lm_head_refusal(model, input_ids=ids, labels=ids) == ""
+    assert model.forward is wrapped
+    remat.unchunk_lm_head(remat.chunk_lm_head(model, chunks=2))
+    assert model.forward is wrapped
+    model(input_ids=ids, labels=ids)
+    assert calls == [1]

@@ -92,7 +92,9 @@ def unchunk_lm_head(model: nn.Module) -> nn.Module:
     """
     if hasattr(model, _CHUNKS):
         delattr(model, _CHUNKS)
-        del model.forward
+        installed = model.__dict__.pop("forward", None)
+        if getattr(installed, "previous", None) is not None:  # a forward of the instance's own, as it was
+            model.forward = installed.previous
     if hasattr(model, _PROVEN):
         delattr(model, _PROVEN)
     return model
@@ -148,7 +150,8 @@ def lm_head_refusal(model: nn.Module, *args: Any, **kwargs: Any) -> str:
 
 
 def _install_chunked_forward(model: nn.Module) -> None:
-    model.forward = _ChunkedForward(model)
+    own = model.__dict__.get("forward")  # a wrapper's (accelerate's): put back by unchunk_lm_head
+    model.forward = _ChunkedForward(model, own.previous if isinstance(own, _ChunkedForward) else own)
 
 
 class _ChunkedForward:
@@ -156,11 +159,12 @@ class _ChunkedForward:
 
     It shows the signature of the class's forward (the Hugging Face Trainer keeps only the dataset columns that
     signature names), and it pickles as itself on the unpickled model (a bound method would be looked up again
-    by name on the half-built copy, and find the class's forward).
+    by name on the half-built copy, and find the class's forward).  ``previous``: the forward the instance had
+    of its own before, if any.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, previous: Any = None) -> None:
+        self.model, self.previous = model, previous
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _chunked_forward(self.model, *args, **kwargs)
@@ -170,7 +174,7 @@ class _ChunkedForward:
         return inspect.signature(types.MethodType(type(self.model).forward, self.model))
 
     def __reduce__(self) -> tuple:
-        return _ChunkedForward, (self.model,)
+        return _ChunkedForward, (self.model, self.previous)
 
 
 def _probe_through_call(model: nn.Module, args: tuple, kwargs: dict) -> str:
@@ -203,19 +207,18 @@ def _chunked_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if labels is None or not self.training:
         return forward(*bound.args, **bound.kwargs)
     if torch.compiler.is_compiling():  # the proof runs eagerly: dynamo breaks the graph at it
-        torch.compiler.disable(_prove)(self, args, kwargs)
+        torch.compiler.disable(_prove)(self, bound)
     else:
-        _prove(self, args, kwargs)
+        _prove(self, bound)
     if getattr(self, _PROBING, False):
         return None
     return _chunked_loss_output(self, bound, getattr(self, _CHUNKS))
 
 
-def _prove(self: nn.Module, args: tuple, kwargs: dict) -> None:
+def _prove(self: nn.Module, bound: inspect.BoundArguments) -> None:
     """Probe the call unless its signature was proven already (always while :func:`lm_head_refusal` probes);
     refuse it if its loss is not the chunked one.  Run eagerly under ``torch.compile`` too, so a compiled
     model's calls are proven as an eager model's are."""
-    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
     if bound.arguments["labels"].is_meta:  # nothing to compute with
         return
     probing = getattr(self, _PROBING, False)
