@@ -111,9 +111,16 @@ def test_a_changed_config_or_a_hook_on_the_output_layer_is_probed_again():
     model(input_ids=ids, labels=ids)
 
 
-def test_probes_leave_a_training_loop_bitwise_the_model_own():
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+              "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+              "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-2, fused=True)}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_probes_leave_a_training_loop_bitwise_the_model_own(optimizer):
     """GPT-2 with dropout, called with an attention mask (a signature the install probe did not see, probed on
-    the first step): every step's loss and gradients are bitwise the unchunked model's."""
+    the first step) and without one on the last step (another signature, probed there): every step's loss and
+    gradients are bitwise the unchunked model's, with an optimizer step between them."""
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
@@ -121,13 +128,14 @@ def test_probes_leave_a_training_loop_bitwise_the_model_own():
 
     def train(model):
         torch.manual_seed(3)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = OPTIMIZERS[optimizer](model.parameters())
         out = []
         for step in range(3):
             ids = batch(seed=step)
             mask = torch.ones_like(ids)
             mask[0, :3] = 0
-            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            masked = {"attention_mask": mask} if step < 2 else {}
+            loss = model(input_ids=ids, labels=ids, **masked).loss
             loss.backward()
             out.append([loss.detach().clone()] + [p.grad.clone() for p in model.parameters()])
             opt.step()
