@@ -29,6 +29,7 @@ from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
 from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
+from .measure.interconnect import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, Interconnect
 from .measure.prices import collectives
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
@@ -175,6 +176,8 @@ def profile(
     modules: Sequence[str] | None = None,
     device: str | None = None,
     throughput: float = 100e12,
+    interconnect_bandwidth: float = DEFAULT_BANDWIDTH,
+    interconnect_latency: float = DEFAULT_LATENCY,
     repeats: int = 5,
     ops: bool = True,
     fresh_timings: bool = False,
@@ -208,6 +211,12 @@ def profile(
     (:class:`~remat.planning.basics.metadata.MetaData`, listed in ``.notes``); a model that needs its data's
     values is refused with a :class:`~remat.planning.basics.metadata.NeedsRealData` saying where.  A model
     sharded by FSDP2 in :func:`remat.fake_world` (N ranks, this process rank 0) profiles there as one rank of N.
+    A collective (a tensor-parallel layer's all-reduce) costs there what crossing the ranks' interconnect costs,
+    ``interconnect_latency + bus bytes / interconnect_bandwidth``, with nccl-tests' bus bytes per rank (an
+    all-reduce's ``2 (n - 1) / n`` of its tensor, an all-gather's or reduce-scatter's ``(n - 1) / n`` of the whole
+    tensor, ``n`` ranks; :mod:`~remat.planning.measure.interconnect`): ``interconnect_bandwidth`` is what each rank's
+    link carries (default 200e9 B/s: NVLink-class, as nccl-tests measures an A100 node), ``interconnect_latency``
+    the seconds every collective costs (default 10e-6).  Off the meta device collectives are timed as they run.
 
     Example:
         >>> prof = remat.profile(model, input_ids=ids, labels=ids)       # a Hugging Face model
@@ -223,6 +232,7 @@ def profile(
         raise ValueError(f"remat.profile: device must be None (the model's own) or 'meta', got {device!r}.")
     if repeats < 1:
         raise ValueError(f"remat.profile: repeats must be at least 1, got {repeats}.")
+    interconnect = Interconnect(interconnect_bandwidth, interconnect_latency)  # refuses a bad value in one line
     blocks = resolve_blocks(model, modules)
     names = [name for name, _ in blocks]
     links = chain_links(model, names)
@@ -235,7 +245,7 @@ def profile(
           _forwards_run(model, {name.rpartition(".")[0] for name, link in zip(names, links) if link}) as ran):
         try:
             measured = measure(model, example_inputs, kwargs, blocks, loss_fn or _summed_loss_warned(model), device,
-                               throughput, repeats, hold_output)
+                               throughput, repeats, hold_output, interconnect)
         except (RuntimeError, NotImplementedError) as error:
             if on_meta is None or "meta" not in str(error).lower():
                 raise

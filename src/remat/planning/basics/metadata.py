@@ -115,6 +115,8 @@ class MetaLayouts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is _LAYER_NORM_BACKWARD and not kwargs and args[1].device.type == "meta" and args[-1][0]:
+            if any(t is not torch.Tensor for t in types):  # a DTensor (sequence parallel): its local call comes next
+                return NotImplemented
             x = args[1]
             _, weight_grad, bias_grad = func(*args[:-1], [False, *args[-1][1:]])
             return torch.empty(x.shape, dtype=x.dtype, device=x.device), weight_grad, bias_grad

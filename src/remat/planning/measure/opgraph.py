@@ -21,7 +21,8 @@ candidate block with its real inputs.  For each operator the block dispatches, a
   (events on an accelerator), ``host_time`` (the Python, autograd and dispatcher work around it) and
   ``wall_time``, what it adds to a run — the sum on the CPU, the larger on an accelerator whose host runs ahead
   (``BlockGraph.asynchronous``); on the meta device, or with ``timing="estimate"``, the larger of FLOPs /
-  ``throughput`` and bytes moved / ``bandwidth``, all of it kernel time.
+  ``throughput`` and bytes moved / ``bandwidth``, a collective's over the ranks' interconnect
+  (:mod:`~remat.planning.measure.interconnect`), all of it kernel time.
 
 ``saved_tensors`` counts what autograd saves (parameters included), and ``saved_needing_grad`` those that
 require grad: a recomputation detaches each of them, one more op dispatched under a policy.  Per storage a
@@ -62,6 +63,7 @@ from ..basics.ranks import Ranks, gathered, local, settle_collective, sharded_un
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
+from .interconnect import Interconnect, estimator
 from .overheads import Overheads, cached_overheads
 from .saved import Held, SavedTensorGone, Unheld
 from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
@@ -404,18 +406,6 @@ def _fresh_copies(tree: Any) -> Any:
     return tree_map(copy, tree)
 
 
-def _roofline(throughput: float, bandwidth: float) -> Callable[[Any, tuple, dict, Any], float]:
-    from torch.utils.flop_counter import flop_registry
-
-    def estimate(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
-        count = flop_registry.get(func._overloadpacket)
-        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
-        moved = sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
-        return max(flops / throughput, moved / bandwidth)
-
-    return estimate
-
-
 def _graph(record: _BlockRecord, estimated: bool, overheads: Overheads) -> BlockGraph:
     saved_by_node: dict[int, int] = {}
     for life in record.lives:
@@ -448,6 +438,7 @@ def profile_ops(
     repeats: int = 5,
     throughput: float = 100e12,
     bandwidth: float = 2e12,
+    interconnect: Interconnect | None = None,
     overheads: Overheads | None = None,
     reference_step: StepTime | None = None,
     **example_kwargs: Any,
@@ -458,7 +449,8 @@ def profile_ops(
     :func:`remat.planning.basics.discovery.candidate_modules`).  ``timing="measure"`` times one
     block per signature on its device's clock (``repeats`` rounds, median shares);
     ``"estimate"`` (forced on the meta device) uses FLOPs and bytes moved at
-    ``throughput`` FLOP/s and ``bandwidth`` B/s.  ``overheads`` fixes the
+    ``throughput`` FLOP/s and ``bandwidth`` B/s, collectives over ``interconnect``
+    (:mod:`~remat.planning.measure.interconnect`).  ``overheads`` fixes the
     checkpoint machinery's costs; by default the per-region and per-saved-tensor
     costs come from :func:`~remat.planning.measure.overheads.measure_overheads` and a selective
     policy's cost per op is measured on each timed block (tiny-op figures when
@@ -484,7 +476,7 @@ def profile_ops(
     tensors = [*model.parameters(), *_tensors((example_inputs, example_kwargs))]
     on_meta = any(t.device.type == "meta" for t in tensors)
     estimated = timing == "estimate" or on_meta
-    recorder = _Recorder(_roofline(throughput, bandwidth) if estimated else None)
+    recorder = _Recorder(estimator(throughput, bandwidth, interconnect) if estimated else None)
     records: dict[str, _BlockRecord] = {}
     names = {id(module): name for name, module in blocks}
 

@@ -34,9 +34,11 @@ import torch
 from torch import nn
 
 from ...engine.replay import tensor_leaves
+from ...policies.rules import is_collective
 from ..basics.ranks import local
 from ..basics.units import format_bytes
-from .opgraph import OpProfile, profile_ops
+from .interconnect import CollectiveClock, Interconnect
+from .opgraph import BlockGraph, OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
@@ -218,10 +220,12 @@ def _refuse_kv_cache(output: Any) -> None:
 
 def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, blocks: list[tuple[str, nn.Module]],
             loss_fn: Callable[[Any], torch.Tensor], device: str | None, throughput: float, repeats: int,
-            hold_output: bool = True) -> StepProfile:
+            hold_output: bool = True, interconnect: Interconnect | None = None) -> StepProfile:
     """Measure training steps of ``model`` for the ``blocks`` (see :func:`remat.profile` for the arguments).
 
-    The result's ``ops`` holds the blocks' op graphs, from which the options are priced.
+    The result's ``ops`` holds the blocks' op graphs, from which the options are priced.  On the meta device the
+    collectives are priced over ``interconnect`` (default: :class:`~remat.planning.measure.interconnect.Interconnect`'s
+    defaults): in the step's time, in each block's forward and in what its recomputation sends again.
 
     Example:
         >>> measured = measure(model, (tokens,), {}, candidate_modules(model), loss, None, 100e12, 5)
@@ -231,16 +235,20 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
 
     step = _Step(forward, loss_fn, hold_output)
     inputs = list(tensor_leaves((example_inputs, example_kwargs)))
+    interconnect = interconnect or Interconnect()
     if device == "meta":
-        prof = _profile_on_meta(model, step, inputs, blocks, throughput)
+        prof = _profile_on_meta(model, step, inputs, blocks, throughput, interconnect)
     else:
         prof = _profile_measured(model, example_inputs, example_kwargs, blocks, step, inputs, repeats)
     prof.hold_output = hold_output
     if prof.ops is None:
         prof.ops = profile_ops(model, *example_inputs, modules=[name for name, _ in blocks], repeats=repeats,
-                               throughput=throughput, **example_kwargs)
+                               throughput=throughput, interconnect=interconnect, **example_kwargs)
     for row in prof.rows:
         graph = prof.ops.blocks.get(row.name)
+        if device == "meta" and graph is not None:  # the FLOPs priced its compute; its collectives cross the wire
+            row.forward_time += _communication(graph, len(graph.nodes))
+            row.checkpoint_time += _communication(graph, graph.stop)
         row.writes_input = graph is not None and graph.writes_input
         if graph is not None:
             # save_matmuls serves its recomputation the kept matmul outputs it reruns to
@@ -337,8 +345,14 @@ def _time_steps(model: nn.Module, step: _Step, rounds: int, params: list[nn.Para
     return StepTime(statistics.median(times), spread(times))
 
 
+def _communication(graph: BlockGraph, ops: int) -> float:
+    """The seconds the collectives among the first ``ops`` of ``graph``'s ops take (their estimated times)."""
+    return sum(node.kernel_time for node in graph.nodes[:ops] if is_collective(node.op))
+
+
 def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
-                     blocks: list[tuple[str, nn.Module]], throughput: float) -> StepProfile:
+                     blocks: list[tuple[str, nn.Module]], throughput: float, interconnect: Interconnect
+                     ) -> StepProfile:
     from torch.utils.flop_counter import FlopCounterMode
 
     params = list(model.parameters())
@@ -352,8 +366,8 @@ def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
         p.grad = None
     # FLOPs in a step of their own: the counter's module hooks pass tensors through autograd functions of
     # their own, which keep some alive longer in backward (a SiLU layer's backward held 20 MiB more).
-    flops = FlopCounterMode(display=False)
-    with flops:
+    flops, wire = FlopCounterMode(display=False), CollectiveClock(interconnect)
+    with flops, wire:
         step()
     for p in params:
         p.grad = None
@@ -365,10 +379,14 @@ def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
         forward_time.append(block_flops / throughput)
     total = sum(counts.get("Global", {}).values())
     # FLOPs are counted for matmul-like ops only: all of a block's time is matmul time
+    # save_matmuls keeps the matmuls' and the collectives' outputs: it reruns nothing priced
     prof = _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, forward_time, forward_time,
-                     [0.0] * len(blocks), total / throughput, "meta")
+                     [0.0] * len(blocks), total / throughput + wire.seconds, "meta")
     prof.estimated_time = True
     prof.notes.append(f"times estimated from FLOPs at {throughput:.3g} FLOP/s")
+    if wire.count:
+        prof.notes.append(f"{wire.count} collectives in the step priced over an interconnect of "
+                          f"{interconnect.bandwidth:.3g} B/s per rank and {interconnect.latency:.3g} s latency")
     return prof
 
 
