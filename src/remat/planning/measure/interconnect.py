@@ -1,10 +1,9 @@
-"""Op times where none is measured: collectives over the ranks' interconnect, the other ops at the roofline.
+"""The interconnect between ranks: what a collective costs where none is timed (the meta device).
 
-On the meta device (and with ``timing="estimate"``) nothing runs to be timed.  A compute op costs the larger of its
-FLOPs / ``throughput`` and the bytes it reads and writes / the memory's ``bandwidth``.  A collective (a tensor-parallel
-layer's all-reduce, sequence parallel's all-gathers and reduce-scatters) costs what crossing the interconnect between
-the ranks costs: ``latency + bus bytes / bandwidth``, with nccl-tests' conventions for the bytes each rank moves over
-its link (``busbw``), ``n`` the size of the collective's group and ``size`` the whole tensor's bytes:
+A collective (a tensor-parallel layer's all-reduce, sequence parallel's all-gathers and reduce-scatters) costs what
+crossing the interconnect between the ranks costs: ``latency + bus bytes / bandwidth``, with nccl-tests' conventions
+for the bytes each rank moves over its link (``busbw``), ``n`` the size of the collective's group and ``size`` the
+whole tensor's bytes:
 
 * all-reduce: ``2 (n - 1) / n x size``;
 * all-gather (``size``: the gathered output) and reduce-scatter (``size``: the input, before scattering):
@@ -22,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from ...policies.rules import is_collective
 from ..basics.ranks import local
 
-__all__ = ["DEFAULT_BANDWIDTH", "DEFAULT_LATENCY", "CollectiveClock", "Interconnect", "bus_factor", "estimator"]
+__all__ = ["DEFAULT_BANDWIDTH", "DEFAULT_LATENCY", "CollectiveClock", "Interconnect", "bus_factor"]
 
 # An NVLink-connected node of current data-centre GPUs, as nccl-tests measures its all-reduce bus bandwidth
 # (A100 about 230 GB/s, H100 about 360 to 480 GB/s) and its small-message latency (about 10 us).
@@ -128,31 +126,6 @@ class CollectiveClock(TorchDispatchMode):
             self.seconds += self.interconnect.op_seconds(func, args, kwargs)
             self.count += func._overloadpacket.__name__ != "wait_tensor"
         return func(*args, **kwargs)
-
-
-def estimator(throughput: float, bandwidth: float, interconnect: Interconnect | None = None
-              ) -> Callable[[Any, tuple, dict, Any], float]:
-    """A function of an op call (``func, args, kwargs, out``) to its estimated seconds: a collective's over
-    ``interconnect`` (default: :class:`Interconnect`'s defaults), any other op's the larger of its FLOPs /
-    ``throughput`` and the bytes it reads and writes / ``bandwidth``.
-
-    Example:
-        >>> estimate = estimator(100e12, 2e12)
-        >>> estimate(torch.ops.aten.mm.default, (a, b), {}, a @ b)
-    """
-    from torch.utils.flop_counter import flop_registry
-
-    link = interconnect or Interconnect()
-
-    def estimate(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
-        if is_collective(func):
-            return link.op_seconds(func, args, kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
-        moved = sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
-        return max(flops / throughput, moved / bandwidth)
-
-    return estimate
 
 
 def _group_size(func: Any, args: tuple, kwargs: dict) -> int:

@@ -63,7 +63,8 @@ from ..basics.ranks import Ranks, gathered, local, settle_collective, sharded_un
 from ..basics.units import format_bytes
 from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
-from .interconnect import Interconnect, estimator
+from .estimates import estimator
+from .interconnect import Interconnect
 from .overheads import Overheads, cached_overheads
 from .saved import Held, SavedTensorGone, Unheld
 from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache

@@ -37,6 +37,7 @@ from ...engine.replay import tensor_leaves
 from ...policies.rules import is_collective
 from ..basics.ranks import local
 from ..basics.units import format_bytes
+from .estimates import rank_flop_formulas
 from .interconnect import CollectiveClock, Interconnect
 from .opgraph import BlockGraph, OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
@@ -366,7 +367,7 @@ def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
         p.grad = None
     # FLOPs in a step of their own: the counter's module hooks pass tensors through autograd functions of
     # their own, which keep some alive longer in backward (a SiLU layer's backward held 20 MiB more).
-    flops, wire = FlopCounterMode(display=False), CollectiveClock(interconnect)
+    flops, wire = FlopCounterMode(display=False, custom_mapping=rank_flop_formulas()), CollectiveClock(interconnect)
     with flops, wire:
         step()
     for p in params:
