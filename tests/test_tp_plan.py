@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 MODELS = ("gpt", "llama", "gpt_sequence_parallel")
 BUDGETS = ("90%", "50%")
-PLANS = (*BUDGETS, "every block")  # the plans at each budget, and every block checkpointed (prof.price)
+PLANS = (*BUDGETS, "every block", "floor")  # at each budget, every block checkpointed (prof.price), the lowest
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,22 @@ def test_backward_sends_again_exactly_the_collectives_the_plan_says(per_rank, mo
         case, planned = rank[model], rank[model][budget]
         assert planned["reduces"] == [n + planned["rerun"] for n in case["unplanned_reduces"]], (case, planned)
         assert ("collectives again per step" in planned["printed"]) == (planned["rerun"] > 0), planned["printed"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_plans_keep_what_crossed_the_wire_wherever_that_fits(per_rank, model):
+    """At 90% and 50% a plan that keeps every collective's output fits: none is sent again.  At the lowest peak
+    any plan reaches, the GPTs' blocks must free their all-reduce's (or reduce-scatter's) output too: the plan sends
+    those again and says why; the Llama's recomputation reaches no collective."""
+    for rank in per_rank:
+        case = rank[model]
+        assert [case[budget]["rerun"] for budget in BUDGETS] == [0, 0], case
+        floor = case["floor"]
+        if model == "llama":
+            assert floor["rerun"] == 0
+            continue
+        assert floor["rerun"] > 0, floor
+        assert "no plan that keeps every collective's output fits the budget" in floor["printed"], floor["printed"]
 
 
 def test_checkpointed_blocks_send_their_all_reduce_again_where_the_recomputation_reaches_it(per_rank):

@@ -37,7 +37,7 @@ from ...engine.replay import tensor_leaves
 from ..basics.ranks import local
 from ..basics.units import format_bytes
 from .opgraph import OpProfile, profile_ops
-from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
+from .prices import BlockPrices, forward_spared, matmuls, recompute_peak, sent_again
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of, spread
@@ -73,6 +73,9 @@ class ModuleProfile:
     holds, served the kept outputs it reruns to.  ``forward_spared`` / ``matmul_forward_spared``: how much less
     than the plain forward's peak the block's forward holds checkpointed / under save_matmuls (autograd keeps
     nothing there; save_matmuls keeps every matmul output, which may hold more: negative).
+    ``collectives``: the collectives (a tensor-parallel block's all-reduce) its recomputation sends again when
+    checkpointed, and ``tail_collectives`` those after its last saved tensor, which a block inside a region also
+    sends again for the next.
     """
 
     name: str
@@ -100,6 +103,8 @@ class ModuleProfile:
     matmul_spared_bytes: int = 0
     forward_spared: int = 0
     matmul_forward_spared: int = 0
+    collectives: int = 0
+    tail_collectives: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -247,6 +252,8 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
             served = set(BlockPrices(graph).matmul_nodes())
             row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
             row.forward_spared, row.matmul_forward_spared = forward_spared(graph), forward_spared(graph, matmuls(graph))
+            row.collectives = len(sent_again(graph))
+            row.tail_collectives = len(sent_again(graph, whole=True)) - row.collectives
     return prof
 
 

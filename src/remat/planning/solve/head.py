@@ -171,7 +171,9 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
     def solve(profile: StepProfile, whole: Budget) -> list[Plan]:
         return [plan_from_profile(profile, whole) if allow is None else plan_from_profile(profile, whole, allow)]
 
-    return min(_on_both(prof, head, budget, solve), key=lambda made: made.predicted_extra_time)
+    # as plan_from_profile: a plan that sends collectives again only where none that keeps them fits
+    return min(_on_both(prof, head, budget, solve),
+               key=lambda made: (made.collectives_rerun > 0, made.predicted_extra_time))
 
 
 def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,

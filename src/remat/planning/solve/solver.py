@@ -298,14 +298,13 @@ def plan_from_profile(
     budget_bytes, requested, parsed = _resolve_budget(prof, budget)
     built = options is None  # the built-in options: those the advice on blocks writing in place may rebuild
     options = _resolve_options(prof, allow, options)
-    # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
-    # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
-    # the search weigh every level on the timeline)
-    hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
-    placed = cheapest(prof, budget_bytes, hidden)
-    if placed is None and sum(map(len, hidden)) < sum(map(len, options)):
-        placed = cheapest(prof, budget_bytes, options)  # the levels left out may be the only ones that fit
-    placed = _no_worse_than_rules(prof, budget_bytes, options, placed)
+    # A collective sent again in backward waits there on every rank's recomputation, which no price of one rank
+    # sees: a plan keeps what crossed the wire wherever that fits, and sends it again only where it does not.
+    quiet = [[o for o in choices if not o.resends] for choices in options]
+    resending = sum(map(len, quiet)) < sum(map(len, options))
+    placed = _search(prof, budget_bytes, quiet) if resending else None
+    if placed is None:
+        placed = _search(prof, budget_bytes, options)
     if placed is None:
         smallest = _smallest_peak(prof, options)
         writers = [row for row in prof.rows if row.writes_input]
@@ -318,9 +317,24 @@ def plan_from_profile(
                                chained=bool(prof.links) and all(prof.links) and "checkpoint" in allow,
                                where=_where_it_peaks(prof, options, smallest))
     plan = plan_of(prof, placed, budget_bytes)
+    if plan.collectives_rerun and resending:
+        plan.meta["collectives"] = "no plan that keeps every collective's output fits the budget"
     if parsed.text.lower().startswith("free"):  # the device's free memory when planning: the plan states it
         plan.meta["budget"] = parsed.text
     return plan
+
+
+def _search(prof: StepProfile, budget: int, options: list[list[BlockOption]]) -> list[tuple[int, BlockOption]] | None:
+    """The cheapest placement of ``options`` within ``budget`` bytes, no worse than the rules people checkpoint by;
+    None where none fits."""
+    # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
+    # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
+    # the search weigh every level on the timeline)
+    hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
+    placed = cheapest(prof, budget, hidden)
+    if placed is None and sum(map(len, hidden)) < sum(map(len, options)):
+        placed = cheapest(prof, budget, options)  # the levels left out may be the only ones that fit
+    return _no_worse_than_rules(prof, budget, options, placed)
 
 
 def _where_it_peaks(prof: StepProfile, options: list[list[BlockOption]], smallest: int) -> str:
@@ -481,6 +495,8 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
                                "extra_time": option.extra_time}
     if option.span > 1:
         summary["span"] = option.span
+    if option.resends:
+        summary["collectives"] = option.resends
     if option.recomputed_ops is not None:
         summary["recomputed_ops"] = option.recomputed_ops
     if option.policy is not None and option.policy.offloaded_bytes:
