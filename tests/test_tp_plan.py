@@ -186,3 +186,34 @@ def test_the_op_graph_counts_a_sequence_sharded_activation_as_the_ranks_part():
     with remat.fake_world(2):
         sharded = _layer_norm_bytes(True)
     assert plain and sharded == plain, (sharded, plain)
+
+
+@pytest.mark.parametrize("model", ["gpt", "gpt_sequence_parallel"])
+def test_what_crossed_the_wire_is_counted_where_a_plan_keeps_it(model):
+    """In a fake world of two ranks collectives complete in line (no process group's thread holds their buffers), so
+    a step's bytes are deterministic: every block ``save_matmuls`` (which keeps the all-reduces', all-gathers' and
+    reduce-scatters' outputs beside the matmuls'), every block checkpointed and the 50% plan (blocks keeping what
+    crossed the wire) peak where predicted, to a few KiB."""
+    import tp_plan_worker as worker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    build = {"gpt": worker._gpt, "gpt_sequence_parallel": worker._gpt_sequence_parallel}[model]
+    tokens, targets = worker._batches(model)[0]
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        prof = remat.profile(build(mesh), tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), targets.flatten()), repeats=1, hold_output=False)
+        blocks = [row.name for row in prof.rows]
+        plans = [prof.price(dict.fromkeys(blocks, "save_matmuls")), prof.price(dict.fromkeys(blocks, "checkpoint")),
+                 prof.plan("50%")]
+        for plan in plans:
+            planned = plan.apply(build(mesh))
+            opt = torch.optim.SGD(planned.parameters(), lr=0.1)
+
+            def step(planned=planned, opt=opt):
+                opt.zero_grad()
+                planned.loss(tokens, targets).backward()
+                opt.step()
+
+            measured = remat.measure_step(step, planned, opt).peak_total
+            assert abs(measured - plan.predicted_peak) <= 8192, (plan.decisions, measured, plan.predicted_peak)

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...engine.replay import tensor_leaves
-from ...policies.rules import MATMUL_OPS
+from ...policies.rules import MATMUL_OPS, is_collective
 from ..basics.ranks import local, settle_collective, storage_resizes
 from .opgraph import _op_info
 
@@ -224,8 +224,8 @@ class _Probe:
 
 
 class _MatmulMeter(TorchDispatchMode):
-    """Per block: its matmul-like outputs, which of them a later op writes in place, and whether one is written
-    after the block's forward.
+    """Per block: the outputs ``save_matmuls`` keeps (matmul-like ops' and collectives'), which of them a later op
+    writes in place, and whether one is written after the block's forward.
 
     ``save_matmuls`` keeps those outputs; one modified after forward would make its recomputation fail
     (the kept value is no longer what the gradients need), so that block cannot take the option.
@@ -255,7 +255,7 @@ class _MatmulMeter(TorchDispatchMode):
                     if owner is not None:
                         self.overwritten.add(record)
                         self.mutated_later[owner] |= owner != i
-        if i is not None and func in MATMUL_OPS:
+        if i is not None and (func in MATMUL_OPS or is_collective(func)):  # what save_matmuls keeps
             for t in tensor_leaves(out):
                 record = self.probe.timeline.track(t)
                 self.outputs[i].add(record)
