@@ -47,7 +47,8 @@ def floor(prof: StepProfile, placed: Sequence[tuple[int, BlockOption]], smallest
             best, where, moment = value - freed, f"block {p}", (t, at_start)
         freed += accounting.freed_by(p, option)
         mask |= accounting.holds(p, option)
-    return {"where": _in_words(prof, where), "parts": _parts(prof, *moment, smallest)}
+    parts = _parts(prof, *moment, smallest)
+    return {"where": _in_words(prof, where, guessed=not parts), "parts": parts}
 
 
 def _parts(prof: StepProfile, t: int, at_start: bool, total: int) -> dict[str, int]:
@@ -63,16 +64,19 @@ def _parts(prof: StepProfile, t: int, at_start: bool, total: int) -> dict[str, i
     return parts if parts["activations"] >= 0 else {}
 
 
-def _in_words(prof: StepProfile, where: str) -> str:
-    """A stretch of the step as the accounting labels it, in words: what no option of the blocks lowers there."""
-    head = {"loss": "at the loss (the output's logits and what every block keeps)",
-            "after loss": "in the output layer and loss's backward (the logits' gradients), which no block option "
-                          "changes (remat.chunked_lm_loss computes them in chunks)"}
+def _in_words(prof: StepProfile, where: str, guessed: bool) -> str:
+    """A stretch of the step as the accounting labels it, in words; ``guessed``: with what usually dominates there,
+    where the parts it holds are not known."""
+    head = {"loss": "at the loss" + " (the output's logits and what every block keeps)" * guessed,
+            "after loss": "in the output layer and loss's backward" + " (the logits' gradients)" * guessed
+                          + ", which no block option changes (remat.chunked_lm_loss computes them in chunks)"}
     if where in head:
         return head[where]
     kind, _, index = where.rpartition(" ")
     name = f"`{prof.rows[int(index)].name}`" if index.isdigit() else ""
-    return {"block": f"in {name}'s own forward or backward (what it keeps, or its recomputation)",
-            "forward": f"in the forward after {name} (what the blocks before keep)",
-            "before forward": f"in the forward before {name} (what the blocks before keep)",
-            "backward": f"in the backward of {name} (the gradients so far and what later blocks keep)"}.get(kind, "")
+    stretch, usually = {"block": (f"in {name}'s own forward or backward", "what it keeps, or its recomputation"),
+                        "forward": (f"in the forward after {name}", "what the blocks before keep"),
+                        "before forward": (f"in the forward before {name}", "what the blocks before keep"),
+                        "backward": (f"in the backward of {name}", "the gradients so far and what later blocks keep"),
+                        }.get(kind, ("", ""))
+    return f"{stretch} ({usually})" if guessed and stretch else stretch
