@@ -49,6 +49,24 @@ def _sharded_profile(width: int, batch: int, seq_len: int, world: int, reshard: 
                              loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
 
 
+def _tensor_parallel_profile() -> remat.Profile:
+    """remat's GPT with each block's MLP split over 2 ranks (column-wise, then row-wise), profiled as rank 0 of a
+    fake world."""
+    tp = pytest.importorskip("torch.distributed.tensor.parallel")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = GPTConfig(n_layers=4, d_model=64, n_heads=4, seq_len=64, vocab_size=128)
+    tokens, targets = synthetic_batch(cfg, 8)
+    with remat.fake_world(2):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model.blocks:
+            tp.parallelize_module(block.mlp, mesh, {"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()})
+        return remat.profile(model, tokens, ops=False,
+                             loss_fn=lambda out: F.cross_entropy(out.flatten(0, 1), targets.flatten()))
+
+
 def _assert_parts_are_the_smallest_peak(prof: remat.Profile, refused: remat.InfeasibleBudget) -> None:
     assert set(refused.parts) == PARTS and min(refused.parts.values()) >= 0
     assert sum(refused.parts.values()) == refused.smallest
@@ -59,16 +77,19 @@ def _assert_parts_are_the_smallest_peak(prof: remat.Profile, refused: remat.Infe
 
 # ---- the parts sum to the smallest peak, and every stretch's to its bytes ------------------------------
 @pytest.mark.parametrize("kind", ["plain, large vocabulary", "plain, wide blocks", "FSDP2 resharded",
-                                  "FSDP2 kept gathered"])
+                                  "FSDP2 kept gathered", "tensor parallel"])
 def test_the_parts_sum_to_the_smallest_peak_and_each_stretch_to_its_bytes(kind):
     prof = {"plain, large vocabulary": lambda: _gpt_profile(2000, 64),
             "plain, wide blocks": lambda: _gpt_profile(64, 256),
             "FSDP2 resharded": lambda: _sharded_profile(64, 8, 64, 2, True),
-            "FSDP2 kept gathered": lambda: _sharded_profile(64, 8, 64, 2, False)}[kind]()
+            "FSDP2 kept gathered": lambda: _sharded_profile(64, 8, 64, 2, False),
+            "tensor parallel": _tensor_parallel_profile}[kind]()
     for segment in prof.segments:
         assert sum(segment.parts.values()) == segment.peak, segment
         assert sum(segment.start_parts.values()) == segment.start, segment
-    _assert_parts_are_the_smallest_peak(prof, _refused(prof))
+    refused = _refused(prof)
+    _assert_parts_are_the_smallest_peak(prof, refused)
+    assert (refused.parts["gathered"] > 0) == kind.startswith("FSDP2")  # only FSDP2 gathers parameters
     # the stretches a refusal reads its moment from are those the solver takes the highest of
     accounting = Accounting(prof)
     for p, options in enumerate(chain_options(prof)):
