@@ -148,25 +148,34 @@ class _Timeline(TorchDispatchMode):
         moment = self.peak_events[segment]
         return _alive_at(record, moment)
 
-    def parts_at(self, moment: int) -> dict[str, int]:
-        """What the live bytes were made of after event ``moment`` (:data:`PARTS`, summing to them).
+    def parts_at(self, moments: Sequence[int]) -> list[dict[str, int]]:
+        """What the live bytes were made of after each event of ``moments`` (:data:`PARTS`, summing to them).
 
         A storage made after the last block's forward, in the loss's stretch or before the first block's backward,
         that no block saves or takes is the head's; any other not known when made is an activation.
 
         Example:
-            >>> timeline.parts_at(timeline.peak_events[3])
-            {'states': 4096, 'gathered': 0, 'activations': 1024, 'head': 0}
+            >>> timeline.parts_at([timeline.peak_events[3]])
+            [{'states': 4096, 'gathered': 0, 'activations': 1024, 'head': 0}]
         """
         head = {k for k, (label, *_) in enumerate(self.segments) if label in ("loss", "after loss")}
-        parts = dict.fromkeys(PARTS, 0)
+        changes = []  # (event, bytes, part): every counted storage's birth and death, swept once in event order
         for record in self.records:
-            if not record.counted or not _alive_at(record, moment):
+            if not record.counted:
                 continue
             part = record.part or ("head" if record.birth in head and not record.inputs
                                    and not record.savers - {None} else "activations")
-            parts[part] += record.nbytes
-        return parts
+            changes.append((record.born_event, record.nbytes, part))
+            if record.died_event is not None:
+                changes.append((record.died_event, -record.nbytes, part))
+        changes.sort(key=lambda change: change[0])
+        live, found, k = dict.fromkeys(PARTS, 0), {}, 0
+        for moment in sorted(set(moments)):
+            while k < len(changes) and changes[k][0] <= moment:  # alive: born at or before it, not dead by then
+                live[changes[k][2]] += changes[k][1]
+                k += 1
+            found[moment] = dict(live)
+        return [found[moment] for moment in moments]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = settle_collective(func, func(*args, **(kwargs or {})))
