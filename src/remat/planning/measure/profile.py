@@ -385,6 +385,11 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     n = len(blocks)
     segments, last_raw = _segments(timeline.segments, n)
     first_raw = [0] + [k + 1 for k in last_raw[:-1]]  # a segment's peak is its first raw segment's
+    # what a refusal says its smallest peak is made of
+    at_peaks = timeline.parts_at([timeline.peak_events[k] for k in first_raw])
+    at_starts = timeline.parts_at([timeline.start_events[k] for k in first_raw])
+    for segment, at_peak, at_start in zip(segments, at_peaks, at_starts):
+        segment.parts, segment.start_parts = at_peak, at_start
     own, held, unsaved_held, first_saved, matmul = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
     released: list[dict[int, int]] = [{} for _ in range(n)]
     shared: list[SharedTensor] = []

@@ -62,6 +62,7 @@ from ..choices.placement import cheaper_placement
 from ..measure.profile import StepProfile
 from .accounting import Accounting
 from .copyplan import offload_first, scheduled_peak
+from .floor import floor
 from .plan import Plan
 from .refusal import InfeasibleBudget
 
@@ -315,7 +316,7 @@ def plan_from_profile(
                                unwritten=_unwritten_peak(prof, allow) if writers and built else None,
                                unavailable="" if tuple(allow) == DEFAULT_ALLOW else offloads_note(prof, allow),
                                chained=bool(prof.links) and all(prof.links) and "checkpoint" in allow,
-                               where=_where_it_peaks(prof, options, smallest))
+                               **_where_it_peaks(prof, options, smallest))
     plan = plan_of(prof, placed, budget_bytes)
     if plan.collectives_rerun and resending:
         plan.meta["collectives"] = "no plan that keeps every collective's output fits the budget"
@@ -337,36 +338,11 @@ def _search(prof: StepProfile, budget: int, options: list[list[BlockOption]]) ->
     return _no_worse_than_rules(prof, budget, options, placed)
 
 
-def _where_it_peaks(prof: StepProfile, options: list[list[BlockOption]], smallest: int) -> str:
-    """Where the plan that reaches ``smallest`` peaks, in words: what no option of the blocks lowers further
-    (what dominates the floor). ``''`` where that plan is not found again."""
+def _where_it_peaks(prof: StepProfile, options: list[list[BlockOption]], smallest: int) -> dict[str, Any]:
+    """Where the plan that reaches ``smallest`` peaks, in words, and what that peak is made of
+    (:func:`~remat.planning.solve.floor.floor`); nothing where that plan is not found again."""
     placed = cheapest(prof, smallest, options, with_cost=False)
-    if placed is None:
-        return ""
-    accounting, rows = Accounting(prof), prof.rows
-    best, where, freed, mask, p = -1, "", 0, 0, 0
-    for p, option in placed:
-        for check, label in zip(accounting.checks[p], accounting.labels[p]):
-            if accounting.value(check, freed, mask) > best:
-                best, where = accounting.value(check, freed, mask), label
-        if accounting.option_peak(p, option, mask) - freed > best:
-            best, where = accounting.option_peak(p, option, mask) - freed, f"block {p}"
-        freed += accounting.freed_by(p, option)
-        mask |= accounting.holds(p, option)
-    for check, label in zip(accounting.checks[accounting.n], accounting.labels[accounting.n]):
-        if accounting.value(check, freed, mask) > best:
-            best, where = accounting.value(check, freed, mask), label
-    head = {"loss": "at the loss (the output's logits and what every block keeps)",
-            "after loss": "in the output layer and loss's backward (the logits' gradients), which no block option "
-                          "changes (remat.chunked_lm_loss computes them in chunks)"}
-    if where in head:
-        return head[where]
-    kind, _, index = where.rpartition(" ")
-    name = f"`{rows[int(index)].name}`" if index.isdigit() else ""
-    return {"block": f"in {name}'s own forward or backward (what it keeps, or its recomputation)",
-            "forward": f"in the forward after {name} (what the blocks before keep)",
-            "before forward": f"in the forward before {name} (what the blocks before keep)",
-            "backward": f"in the backward of {name} (the gradients so far and what later blocks keep)"}.get(kind, "")
+    return {} if placed is None else floor(prof, placed, smallest)
 
 
 def _unwritten_peak(prof: StepProfile, allow: Sequence[str]) -> int:
