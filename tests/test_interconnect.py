@@ -68,7 +68,7 @@ def test_a_tensor_parallel_gpt_on_meta_pays_its_all_reduces_over_the_interconnec
     and pays for them."""
     prof = _meta_profile(worker._gpt, ranks, **LINK)
     wire = LINK["interconnect_latency"] + 2 * (ranks - 1) / ranks * ACTIVATION / LINK["interconnect_bandwidth"]
-    assert prof.collectives == {row.name: [("_c10d_functional.all_reduce.default", 0)] for row in prof.rows}
+    assert [(row.collectives, row.tail_collectives) for row in prof.rows] == [(1, 0)] * 4
     for row in prof.rows:
         (reduce,) = [n for n in prof.ops.blocks[row.name].nodes if n.op == "_c10d_functional.all_reduce.default"]
         assert reduce.kernel_time == pytest.approx(wire, rel=1e-12)
@@ -127,3 +127,23 @@ def test_the_defaults_are_stated_and_bad_links_are_refused_in_one_line():
         with pytest.raises(ValueError, match=f"^remat.profile: {said}") as refused:
             remat.profile(model, x, **{keyword: bad})
         assert "\n" not in str(refused.value)
+
+
+def test_a_recomputation_that_stops_before_a_collective_does_not_pay_it():
+    """The Llama's recomputation stops at its last saved tensor, before the down projection's all-reduce: its
+    forward pays the all-reduce, its checkpoint price does not, and a block inside a region (which reruns that
+    tail for the next block) pays it in its tail."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ids = torch.empty(4, 128, dtype=torch.long, device="meta")
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            model = worker._llama(mesh)
+        prof = remat.profile(model, input_ids=ids, labels=ids, device="meta", **LINK)
+    wire = LINK["interconnect_latency"] + 4 * 128 * 64 * 4 / LINK["interconnect_bandwidth"]  # 2 (n - 1) / n = 1
+    for row in prof.rows:
+        assert row.collectives == 0 and row.tail_collectives == 1, row
+        assert row.forward_time == pytest.approx(row.matmul_time + wire, rel=1e-12)
+        assert row.checkpoint_time == pytest.approx(row.matmul_time, rel=1e-12)
+        assert row.tail_time == pytest.approx(wire, rel=1e-12)

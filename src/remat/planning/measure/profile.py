@@ -39,8 +39,8 @@ from ..basics.ranks import local
 from ..basics.units import format_bytes
 from .estimates import rank_flop_formulas
 from .interconnect import CollectiveClock, Interconnect
-from .opgraph import BlockGraph, OpProfile, profile_ops
-from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
+from .opgraph import OpNode, OpProfile, profile_ops
+from .prices import BlockPrices, forward_spared, matmuls, recompute_peak, sent_again
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of, spread
@@ -76,6 +76,9 @@ class ModuleProfile:
     holds, served the kept outputs it reruns to.  ``forward_spared`` / ``matmul_forward_spared``: how much less
     than the plain forward's peak the block's forward holds checkpointed / under save_matmuls (autograd keeps
     nothing there; save_matmuls keeps every matmul output, which may hold more: negative).
+    ``collectives``: the collectives (a tensor-parallel block's all-reduce) its recomputation sends again when
+    checkpointed, and ``tail_collectives`` those after its last saved tensor, which a block inside a region also
+    sends again for the next.
     """
 
     name: str
@@ -103,6 +106,8 @@ class ModuleProfile:
     matmul_spared_bytes: int = 0
     forward_spared: int = 0
     matmul_forward_spared: int = 0
+    collectives: int = 0
+    tail_collectives: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -248,14 +253,18 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
     for row in prof.rows:
         graph = prof.ops.blocks.get(row.name)
         if device == "meta" and graph is not None:  # the FLOPs priced its compute; its collectives cross the wire
-            row.forward_time += _communication(graph, len(graph.nodes))
-            row.checkpoint_time += _communication(graph, graph.stop)
+            rerun, tail = _communication(graph.nodes[:graph.stop]), _communication(graph.nodes[graph.stop:])
+            row.forward_time += rerun + tail
+            row.checkpoint_time += rerun
+            row.tail_time += tail  # a block inside a region reruns its tail, collectives included
         row.writes_input = graph is not None and graph.writes_input
         if graph is not None:
             # save_matmuls serves its recomputation the kept matmul outputs it reruns to
             served = set(BlockPrices(graph).matmul_nodes())
             row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
             row.forward_spared, row.matmul_forward_spared = forward_spared(graph), forward_spared(graph, matmuls(graph))
+            row.collectives = len(sent_again(graph))
+            row.tail_collectives = len(sent_again(graph, whole=True)) - row.collectives
     return prof
 
 
@@ -346,9 +355,9 @@ def _time_steps(model: nn.Module, step: _Step, rounds: int, params: list[nn.Para
     return StepTime(statistics.median(times), spread(times))
 
 
-def _communication(graph: BlockGraph, ops: int) -> float:
-    """The seconds the collectives among the first ``ops`` of ``graph``'s ops take (their estimated times)."""
-    return sum(node.kernel_time for node in graph.nodes[:ops] if is_collective(node.op))
+def _communication(nodes: list[OpNode]) -> float:
+    """The seconds the collectives among ``nodes`` take (their estimated times)."""
+    return sum(node.kernel_time for node in nodes if is_collective(node.op))
 
 
 def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
@@ -397,6 +406,11 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     n = len(blocks)
     segments, last_raw = _segments(timeline.segments, n)
     first_raw = [0] + [k + 1 for k in last_raw[:-1]]  # a segment's peak is its first raw segment's
+    # what a refusal says its smallest peak is made of
+    at_peaks = timeline.parts_at([timeline.peak_events[k] for k in first_raw])
+    at_starts = timeline.parts_at([timeline.start_events[k] for k in first_raw])
+    for segment, at_peak, at_start in zip(segments, at_peaks, at_starts):
+        segment.parts, segment.start_parts = at_peak, at_start
     own, held, unsaved_held, first_saved, matmul = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
     released: list[dict[int, int]] = [{} for _ in range(n)]
     shared: list[SharedTensor] = []
