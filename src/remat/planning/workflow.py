@@ -29,6 +29,7 @@ from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
 from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
+from .measure.gathers import partitioned_inputs
 from .measure.prices import collectives
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
@@ -244,6 +245,8 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
+        # a tensor-parallel block's inputs kept as shards: which, and their all-gathers timed, on every rank
+        measured.partitioned = partitioned_inputs(model, blocks, lambda: model(*example_inputs, **kwargs), ranks)
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
         chunkable = on_meta is None and ranks.chunked_head
         head = None if not chunkable else measure_head(model, example_inputs, kwargs, blocks, loss_fn is not None,
@@ -261,7 +264,7 @@ def profile(
     result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)}, model_meta=model_meta,
                      head=head)
     if head is not None:
-        head.profile.links = measured.links
+        head.profile.links, head.profile.partitioned = measured.links, measured.partitioned
     graphs = measured.ops.blocks if measured.ops else {}
     result.collectives = {name: collectives(graph) for name, graph in graphs.items() if collectives(graph)}
     if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them

@@ -36,6 +36,7 @@ from torch import nn
 from ...engine.replay import tensor_leaves
 from ..basics.ranks import local
 from ..basics.units import format_bytes
+from .gathers import PartitionedInputs
 from .opgraph import OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
 from .timecache import StepTime
@@ -159,6 +160,8 @@ class StepProfile:
     # the step measured keeps the model's output alive until backward ends (the loop people write), or drops it
     # once the loss is computed: plans from this profile assume the same
     hold_output: bool = True
+    # per block of a tensor-parallel model: its inputs kept as one shard per rank (checkpoint_partitioned)
+    partitioned: dict[str, PartitionedInputs] = field(default_factory=dict)
 
     @property
     def peak_above_params(self) -> int:

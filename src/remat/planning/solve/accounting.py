@@ -190,7 +190,7 @@ class Accounting:
 
     def own_peak(self, q: int, option: BlockOption, own_bytes: int, freed: int, mask: int) -> int:
         """The peak of block q's backward under ``option`` (its recomputation included)."""
-        held_inputs = self.unsaved[q] if option.recomputes else 0
+        held_inputs = (self.unsaved[q] if option.recomputes else 0) + option.backward_held
         held, started = self.holds(q, option), self.takes[q]
         if option.name == "save_matmuls":  # its kept matmul outputs the recomputation does not rerun to are
             held, started = self.takes[q] | self.served[q], started | self.matmuls[q]  # gone when it starts
