@@ -37,8 +37,9 @@ GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, 
 # More heads: attention's bytes grow, its collectives' do not, so the buffers gloo's thread may let go of after a
 # step's peak stay well under 3% of it.
 SEQUENCE_PARALLEL_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=16, mlp_ratio=8, seq_len=64, vocab_size=16)
-# Each block's input is 64 x 64 x 64 float32: 1 MiB, the smallest input PartitionInputs keeps as shards.  No dropout:
-# the recomputation stops before the down projection's all-reduce, so the shards are what tells the options apart.
+# Each block's input is 64 x 64 x 64 float32: 1 MiB, the smallest input PartitionInputs keeps as shards.  Without
+# dropout a recomputation stops before the down projection's all-reduce (whose 1 MiB buffer gloo's thread may let go
+# of late, which a rerun of it would bring into the prediction).
 PARTITIONED_CFG = GPTConfig(n_layers=3, d_model=64, n_heads=4, mlp_ratio=4, seq_len=64, vocab_size=16, dropout=0.0)
 PARTITIONED_BATCH = 64
 STEPS = 3

@@ -29,6 +29,7 @@ from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
 from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
+from .choices.partitioned import PARTITIONED
 from .measure.gathers import partitioned_inputs
 from .measure.prices import collectives
 from .measure.profile import StepProfile, default_loss, measure
@@ -462,10 +463,11 @@ def plan(
     50%?); the ``remat`` command reads it the same way (:func:`~remat.planning.basics.units.parse_budget`).  ``allow``
     lists the options a block may take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective``
     (op-level: keep chosen op outputs of the block, recompute the rest; needs one more forward to record the op
-    graphs) and ``offload`` (only considered on an accelerator).  For several budgets, profile once and call
-    ``prof.plan(budget)`` for each.  ``hold_output``: the training loop keeps the model's output until backward
-    ends (the default) or lets go of it once the loss is computed, as in :func:`remat.profile`.  The plan records
-    the model it was made for (``plan.meta``) and checks it when applied.
+    graphs), ``offload`` (only considered on an accelerator) and ``checkpoint_partitioned`` (a tensor-parallel block's
+    inputs kept as one shard per rank, all-gathered in backward; on a mesh under torchrun).  For several budgets,
+    profile once and call ``prof.plan(budget)`` for each.  ``hold_output``: the training loop keeps the model's
+    output until backward ends (the default) or lets go of it once the loss is computed, as in
+    :func:`remat.profile`.  The plan records the model it was made for (``plan.meta``) and checks it when applied.
 
     Example:
         >>> p = remat.plan(model, input_ids=ids, labels=ids, budget="50%")   # Hugging Face: .loss is the loss
@@ -476,6 +478,7 @@ def plan(
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
     Ranks.of(model).agree("remat.plan", {"the budget": str(budget)})
     refuse_checkpointed(model, "remat.plan")
-    prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
-                   hold_output=hold_output, **example_kwargs)
+    graphs = bool({"selective", PARTITIONED} & set(allow))  # the options drawn from the op graphs
+    prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops=graphs, hold_output=hold_output,
+                   **example_kwargs)
     return prof.plan(budget, allow)

@@ -152,8 +152,11 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
                                        spared=row.matmul_forward_spared))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
         graph = prof.ops.blocks.get(row.name) if prof.ops is not None else None
-        if PARTITIONED in allow and row.name in prof.partitioned and graph is not None:
-            base = selective_option(row, graph, keep_collectives(graph))
+        kept = (keep_collectives(graph) if PARTITIONED in allow and row.name in prof.partitioned and graph is not None
+                else None)
+        if kept is not None and row.checkpoint_time != float("inf"):
+            base = selective_option(row, graph, kept) if kept else BlockOption(
+                "checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True, spared=row.forward_spared)
             choices += partitioned_option(row, graph, base, prof.partitioned[row.name])
         if "checkpoint_offload" in allow and on_accelerator and row is not prof.rows[-1]:
             choices += _checkpoint_offload(prof, row, prof.rows[prof.rows.index(row) + 1])

@@ -112,8 +112,9 @@ class Plan:
     def _installer(self, name: str, decision: str, group: Any = None) -> tuple[Callable[[nn.Module], nn.Module], Any]:
         """How to install ``name``'s decision, and what identifies it (to skip modules already installed);
         ``group``: the model's tensor-parallel group, where blocks keep their inputs as shards over it."""
-        if decision == PARTITIONED:
-            return partitioned_wrapper(group), (decision, None)
+        if decision == PARTITIONED:  # its op-level policy keeps the collective outputs its recomputation reaches
+            policy = BlockPolicy.from_dict(self.policies[name]) if name in self.policies else None
+            return partitioned_wrapper(group, policy), (decision, self.policies.get(name))
         if name in self.policies:
             policy = BlockPolicy.from_dict(self.policies[name])
             if self.copies.get("ahead") and policy.mode == "keep" and policy.offloaded_bytes:  # back ahead by bytes
