@@ -10,7 +10,8 @@ per-rank peak measured by ``remat.measure_step``, the collectives each backward 
 GPT also trains with every block ``save_matmuls``).  Then the plan is
 applied to the model without tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its
 output layer split too; and a GPT whose blocks' inputs are large enough to keep as shards
-(:func:`_partitioned`: every block ``checkpoint_partitioned``, and the plan at that plan's own peak).
+(:func:`_partitioned`: every block ``checkpoint_partitioned``, saved and loaded, and the plan at that plan's own
+peak, where no plan without the option fits).
 Rank 0 writes every rank's results (gathered) to the JSON path :func:`run` is given.
 """
 
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.planning.choices.options import DEFAULT_ALLOW
 
 GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, vocab_size=16)
 # More heads: attention's bytes grow, its collectives' do not, so the buffers gloo's thread may let go of after a
@@ -239,6 +241,11 @@ def _partitioned(mesh, folder) -> dict:
         result[name] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],
                         "bitwise": _bitwise(expected, got), "reduces": got[3], "rerun": plan.collectives_rerun,
                         "printed": str(plan)}
+    others = [option for option in DEFAULT_ALLOW if option != "checkpoint_partitioned"]
+    try:  # no plan without the option fits at its peak: the solver takes it on its own there
+        result["without it"] = prof.plan(every.predicted_peak, allow=others).decisions
+    except remat.InfeasibleBudget:
+        result["without it"] = "refused"
     result["unsharded"] = _refusal(every, _partitioned_gpt(None))
     return result
 
