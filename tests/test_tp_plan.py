@@ -264,3 +264,17 @@ def test_an_input_is_kept_as_a_shard_by_one_rule():
     assert shard_bytes(nn.Parameter(torch.zeros(1 << 18)), 2) is None
     assert shard_bytes(torch.zeros(1 << 18, requires_grad=True), 2) is None
     assert shard_bytes(torch.zeros(2, 1 << 18).t(), 2) is None  # not contiguous
+
+
+def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_line():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    prof = remat.profile(model, torch.randn(8, 32), loss_fn=lambda out: out.sum(), repeats=1)
+    assert prof.partitioned == {}
+    with pytest.raises(ValueError) as refused:
+        prof.plan("60%", allow=("checkpoint_partitioned",))
+    assert str(refused.value) == (
+        "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun, "
+        "whose blocks take inputs of 1 MiB or more that every rank holds in full; this profile has none: allow "
+        "checkpoint, save_matmuls or selective.")

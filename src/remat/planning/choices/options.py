@@ -121,8 +121,12 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(ALLOWED)}.")
     missing = unavailable_offloads(prof, allow)
+    others = _listed([o for o in ALLOWED if o not in OFFLOADS and (o != PARTITIONED or prof.partitioned)], "or")
+    if PARTITIONED in allow and not prof.partitioned and set(allow) <= {PARTITIONED, *missing}:
+        raise ValueError(f"remat.plan: {PARTITIONED} needs a tensor-parallel model profiled on every rank under "
+                         "torchrun, whose blocks take inputs of 1 MiB or more that every rank holds in full; this "
+                         f"profile has none: allow {others}.")
     if allow and set(allow) <= set(missing):  # a plan could only keep every block: not what was asked
-        others = _listed([o for o in ALLOWED if o not in OFFLOADS], "or")
         raise ValueError(f"remat.plan: {_unavailable_phrase(prof.device, missing)}: allow {others}, or profile the "
                          "model on a CUDA device.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
