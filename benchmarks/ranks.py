@@ -167,7 +167,8 @@ def _rows(name: str, wrapper: str, budgets: list[str]) -> list[dict]:
             if refused.smallest not in lowest:  # the plan that reaches the smallest peak, measured: is it so?
                 fresh, batches = _wrapped(build, wrapper)
                 lowest[refused.smallest] = max(_measured(prof.plan(refused.smallest).apply(fresh), batches)["peaks"])
-            rows.append({"budget": budget, "refused": refused.smallest, "lowest": lowest[refused.smallest]})
+            rows.append({"budget": budget, "refused": refused.smallest, "lowest": lowest[refused.smallest],
+                         "parts": refused.parts})
             continue
         fresh, batches = _wrapped(build, wrapper)
         planned = _measured(plan.apply(fresh), batches)
@@ -207,7 +208,9 @@ def main() -> None:
                     if "refused" in row:
                         print(f"{name:<6} {wrapper:<11} {row['budget']:<6} {who:>4} refused: the smallest peak "
                               f"any plan reaches is {format_bytes(row['refused'])} ({row['refused']:,} B; that "
-                              f"plan measured {row['lowest'] - row['refused']:+,} B at its worst step)")
+                              f"plan measured {row['lowest'] - row['refused']:+,} B at its worst step): "
+                              + ", ".join(f"{format_bytes(n)} {part}" for part, n in
+                                          sorted(row["parts"].items(), key=lambda item: -item[1])))
                         continue
                     worst = max((m - row["predicted"] for m in row["measured"]), key=abs)
                     steps = " ".join(format_bytes(m) for m in row["measured"])

@@ -94,6 +94,11 @@ def _case(wrapper: str, rank: int, budget: str) -> dict:
     model = _wrapped(_gpt(), wrapper)
     tokens, targets = batches[0]
     prof = remat.profile(model, tokens, loss_fn=_loss_fn(targets))
+    try:
+        prof.plan("1%")
+        floor = {}
+    except remat.InfeasibleBudget as refused:  # what the smallest peak is made of on this rank
+        floor = {"smallest": refused.smallest, "parts": refused.parts}
     plan = prof.plan(budget)
     after = _train(plan.apply(model), batches)
     plan.remove(model)
@@ -109,7 +114,8 @@ def _case(wrapper: str, rank: int, budget: str) -> dict:
     return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
             "applied_after": _bitwise(expected, after), "applied_before": before, "left_after_remove": unwrapped_names,
             "checked": [checked.peaks_hold, checked.grads_equal], "model_given": copied,
-            "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2]}
+            "profiled_peak": prof.peak_bytes, "unplanned_peaks": expected[2], "planned_peaks": after[2],
+            "floor": floor}
 
 
 def _setting_case(wrapper: str, rank: int, budget: str) -> dict:
@@ -182,7 +188,7 @@ def _gpt2_case(rank: int) -> dict:
         prof.plan("30%")
         refused = {}
     except remat.InfeasibleBudget as error:
-        refused = {"smallest": error.smallest, "message": str(error)}
+        refused = {"smallest": error.smallest, "message": str(error), "parts": error.parts}
     return {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak,
             "applied_after": _bitwise(expected, after), "profiled_peak": prof.peak_bytes,
             "unplanned_peaks": expected[2], "planned_peaks": after[2], "refused": refused}

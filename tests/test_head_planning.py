@@ -172,7 +172,7 @@ def test_the_head_is_priced_as_what_its_forward_and_backward_add_to_the_unchunke
     ids = torch.randint(0, VOCAB, (BATCH, 16))
     assert remat.profile(llama(), input_ids=ids, labels=ids, repeats=2).head.extra_time == pytest.approx(0.5)
     seconds[True, True] = 2.5  # the chunked head the faster: priced as free, never as a saving
-    assert remat.profile(llama(), input_ids=ids, labels=ids, repeats=2).head.extra_time == 0.0
+    assert remat.profile(llama(), input_ids=ids, labels=ids, repeats=2, fresh_timings=True).head.extra_time == 0.0
 
 
 def test_the_front_has_the_chunked_heads_plans(profiled):
@@ -229,3 +229,22 @@ def test_a_meta_profile_says_the_chunked_head_was_not_considered_and_why():
         with_loss_fn = remat.profile(model, input_ids=ids, labels=ids, device="meta", ops=False,
                                      loss_fn=lambda out: out.loss)
     assert NOT_ON_META not in with_loss_fn.notes  # no chunked head would apply: nothing to tell
+
+
+def test_the_chunked_heads_price_is_kept_with_the_machines_timings(tmp_path, monkeypatch):
+    """Profiled again, the chunked head is priced from the timings file (so the plan's choice of it does not follow
+    the load from one process to the next); ``fresh_timings=True`` measures it again."""
+    import json
+
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, ids = llama(), torch.randint(0, VOCAB, (BATCH, SEQ))
+    remat.profile(model, input_ids=ids, labels=ids, repeats=1)
+    timings = tmp_path / "timings.json"
+    entries = json.loads(timings.read_text())
+    heads = [key for key in entries if key.startswith("head|")]
+    assert len(heads) == 1, list(entries)
+    entries[heads[0]]["seconds"] = 0.125  # what a loaded machine might have measured
+    timings.write_text(json.dumps(entries))
+    assert remat.profile(model, input_ids=ids, labels=ids, repeats=1).head.extra_time == 0.125
+    assert remat.profile(model, input_ids=ids, labels=ids, repeats=1, fresh_timings=True).head.extra_time != 0.125

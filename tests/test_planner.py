@@ -16,7 +16,7 @@ import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
 from remat.planning.basics.metadata import NeedsRealData
 from remat.planning.basics.units import Budget, parse_budget
-from remat.planning.choices.options import block_options
+from remat.planning.choices.options import BlockOption, block_options
 from remat.planning.measure.profile import ModuleProfile, SharedTensor
 from remat.planning.measure.timeline import Segment
 from remat.planning.solve.plan import Plan
@@ -425,7 +425,6 @@ def test_a_tighter_budget_never_predicts_a_cheaper_plan():
 
 def test_custom_options_plug_into_the_chain():
     """More options per block (e.g. op-level policies) are a list per block, keep first."""
-    from remat.planning.choices.options import BlockOption
 
     prof = _synthetic(6, seed=2)
     options = block_options(prof, ("checkpoint",))
@@ -440,6 +439,35 @@ def test_custom_options_plug_into_the_chain():
         plan_from_profile(prof, budget, options=[o[1:] for o in cheap])
 
 
+def test_a_plan_sends_collectives_again_only_where_none_that_keeps_them_fits():
+    """Every block's checkpoint sends one collective again and is the cheapest option; a dearer option keeps what
+    crossed the wire at a few more bytes.  Where a plan of those fits, it is taken, however much cheaper the
+    resending one; below, the plan resends only what it must and says why."""
+    from dataclasses import replace
+
+    prof = _synthetic(6, seed=2)
+    options = block_options(prof, ("checkpoint",))
+    wired = [[choices[0], *(replace(o, resends=1) for o in choices[1:]),
+              *(BlockOption("wire", kept=o.kept + 300, extra_time=2 * o.extra_time, transient=o.transient,
+                            recomputes=True, wrap=lambda m: m) for o in choices[1:])]
+             for choices in options]
+    quiet = [[o for o in choices if not o.resends] for choices in wired]
+    floors = []
+    for choices in (quiet, wired):
+        with pytest.raises(InfeasibleBudget) as refused:
+            plan_from_profile(prof, 0.01, options=choices)
+        floors.append(refused.value.smallest)
+    assert floors[1] < floors[0]  # keeping the collectives' outputs costs bytes
+    at_quiet_floor = plan_from_profile(prof, floors[0], options=wired)
+    assert at_quiet_floor.collectives_rerun == 0 and "wire" in at_quiet_floor.decisions.values()
+    assert at_quiet_floor.predicted_extra_time > plan_from_profile(prof, floors[0], options=[
+        [o for o in choices if o.name != "wire"] for choices in wired]).predicted_extra_time
+    below = plan_from_profile(prof, floors[1], options=wired)
+    assert below.collectives_rerun == sum(block.get("collectives", 0) for block in below.blocks.values()) > 0
+    assert "(no plan that keeps every collective's output fits the budget)" in str(below)
+    assert "collectives again" not in str(at_quiet_floor)
+
+
 def test_refusal_prints_exact_bytes_when_rounding_would_hide_the_gap():
     close = str(InfeasibleBudget(54_000_000, 54_000_100, param_bytes=1_000_000, unplanned_above=100_000_000))
     assert "54,000,000 bytes whole step" in close and "54,000,100 bytes whole step" in close
@@ -449,7 +477,6 @@ def test_refusal_prints_exact_bytes_when_rounding_would_hide_the_gap():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_plans_that_offload_blocks_are_optimal_with_one_window_for_the_step(seed):
-    from remat.planning.choices.options import BlockOption
     from remat.planning.solve.solver import _peak
 
     prof = _synthetic(5, seed)

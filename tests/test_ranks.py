@@ -92,6 +92,20 @@ def test_gpt2_under_fsdp2_plans_every_rank_alike_trains_bitwise_and_refuses_nami
         assert smallest <= case["predicted_peak"]
         assert "the smallest peak any plan reaches is " in case["refused"]["message"]
         assert f"({format_bytes(smallest)} whole step)" in case["refused"]["message"]
+        assert sum(case["refused"]["parts"].values()) == smallest
+        assert "gathered parameters" in case["refused"]["message"]
+
+
+def test_a_refusal_splits_the_smallest_peak_alike_on_every_rank(per_rank):
+    """Refused at 1%: the smallest peak split into the rank's states, gathered parameters (FSDP2's alone),
+    activations and the head, summing to it, the same on both ranks (rank 0's profile)."""
+    for wrapper in ("fsdp2", "fsdp2_kept", "ddp"):
+        first, second = (rank[wrapper]["floor"] for rank in per_rank)
+        assert first == second, wrapper
+        assert sum(first["parts"].values()) == first["smallest"], first
+        assert (first["parts"]["gathered"] > 0) == (wrapper != "ddp"), first
+    kept, resharded = (per_rank[0][wrapper]["floor"]["parts"] for wrapper in ("fsdp2_kept", "fsdp2"))
+    assert kept["gathered"] > resharded["gathered"]  # every unit kept gathered from its forward to its backward
 
 
 class _Block(nn.Module):

@@ -209,6 +209,7 @@ def test_a_refusal_with_the_chunked_head_states_one_smallest_peak_the_lowest():
     with pytest.raises(remat.InfeasibleBudget) as refused:
         plan_with_head(prof, prof.head, 0.01)
     assert refused.value.smallest == min(floors)
+    assert sum(refused.value.parts.values()) == refused.value.smallest  # what the lower floor is made of
     told = "".join(traceback.format_exception(refused.value))
     assert told.count("the smallest peak any plan reaches") == 1, told
     assert refused.value.__cause__ is None and refused.value.__suppress_context__

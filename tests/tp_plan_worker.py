@@ -4,7 +4,8 @@ models, on every rank.
 The built-in GPT (``ColwiseParallel`` on each block's ``mlp.up``, ``RowwiseParallel`` on ``mlp.down``), a tiny
 Hugging Face Llama (``gate_proj`` / ``up_proj`` column-wise, ``down_proj`` row-wise), and the GPT tensor and
 sequence parallel (:func:`_gpt_sequence_parallel`), on a 1-D mesh of the two ranks.
-Every rank profiles once, plans at 90% and 50% and prices every block checkpointed; each plan trains three SGD
+Every rank profiles once, plans at 90% and 50% and at the smallest peak any plan reaches, and prices every block
+checkpointed; each plan trains three SGD
 steps beside the same TP model without a plan: losses and local gradient shards compared bitwise, each step's
 per-rank peak measured by ``remat.measure_step``, the collectives each backward runs counted (the sequence-parallel
 GPT also trains with every block ``save_matmuls``).  Then the plan is
@@ -184,6 +185,10 @@ def _case(name, build, mesh, named_mesh) -> dict:
               "unplanned": expected[2], "unplanned_reduces": expected[3]}
     plans = {budget: prof.plan(budget) for budget in BUDGETS}
     plans["every block"] = prof.price(dict.fromkeys(plans["90%"].decisions, "checkpoint"))  # decisions fixed
+    try:
+        prof.plan("1%")
+    except remat.InfeasibleBudget as refused:  # the lowest peak: below what keeping every collective's output needs
+        plans["floor"] = prof.plan(refused.smallest)
     for budget, plan in plans.items():
         got = _train(name, plan.apply(build(mesh)), batches)
         result[budget] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],

@@ -31,7 +31,6 @@ from .basics.userline import user_stacklevel
 from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
 from .choices.partitioned import PARTITIONED
 from .measure.gathers import partitioned_inputs
-from .measure.prices import collectives
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
 from .solve.alternatives import plan_for
@@ -77,7 +76,6 @@ class Profile(StepProfile):
 
     model_meta: dict[str, Any] = field(default_factory=dict)
     head: HeadOption | None = field(default=None, repr=False)
-    collectives: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON; the chunked head's option as its chunk count, peak and extra time."""
@@ -142,9 +140,6 @@ class Profile(StepProfile):
 
     def _for_this_model(self, made: Plan) -> Plan:
         made.meta = {**self.model_meta, **made.meta}
-        rerun = _collectives_rerun(made, self.collectives)
-        for name, count in rerun.items():
-            made.blocks.setdefault(name, {})["collectives"] = count
         return made
 
     def front(self, budgets: Sequence[Budget | int | float | str] = (), allow: Sequence[str] | None = None) -> Front:
@@ -266,8 +261,6 @@ def profile(
                      head=head)
     if head is not None:
         head.profile.links, head.profile.partitioned = measured.links, measured.partitioned
-    graphs = measured.ops.blocks if measured.ops else {}
-    result.collectives = {name: collectives(graph) for name, graph in graphs.items() if collectives(graph)}
     if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
         result.ops = None
         if head is not None:
@@ -284,23 +277,6 @@ def profile(
         result.notes.append(line)
     # trained by several ranks: rank 0's timings on every rank, one plan everywhere
     return ranks.same(ranks.per_rank(result))
-
-
-def _collectives_rerun(made: Plan, calls: dict[str, list[tuple[str, int]]]) -> dict[str, int]:
-    """Per block of ``made`` that recomputes collectives (``calls``: each block's, from its op graph), how many its
-    recomputation sends again: all of them where it is checkpointed whole (alone or in a segment), those its
-    op-level policy does not keep, none where it keeps them (``save_matmuls``) or is not recomputed."""
-    in_segments = {name for run in made.segments for name in run}
-    rerun = {}
-    for name, decision in made.decisions.items():
-        policy = made.policies.get(name)
-        if name in in_segments or decision in ("checkpoint", "checkpoint_offload"):
-            rerun[name] = len(calls.get(name, ()))
-        elif policy is not None and policy.get("mode") != "keep":
-            kept = {(entry["op"], entry["call"]) for entry in policy.get("ops") or ()
-                    if entry.get("decision") == "keep"}
-            rerun[name] = sum(1 for op, call in calls.get(name, ()) if (op, call) not in kept)
-    return {name: count for name, count in rerun.items() if count}
 
 
 def _what_is_profiled(model: nn.Module, args: tuple, kwargs: dict[str, Any], modules: Sequence[str] | None

@@ -22,6 +22,7 @@ never test for ranks or wrappers themselves; they ask this module:
   :func:`tensor_parallel_group`: its process group, over which a plan shards a block's inputs;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
+  :func:`gathers_parameters`: the op that makes FSDP2's all-gather buffer, counted as gathered parameters too;
 * :func:`settle_collective`: a pause after each collective's wait, so gloo's thread lets go of its buffers
   before a count of live bytes goes on (their deaths would otherwise come at moments that vary);
 * :func:`unverified_settings`: the FSDP2 settings no measured run has held a plan's per-rank peak to
@@ -54,8 +55,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["Ranks", "copy_of", "distributed", "gathered", "gradient_buckets", "local", "mesh_of", "on_mesh",
-           "original_class", "reshard", "settle_collective", "sharded_units", "storage_resizes",
+__all__ = ["Ranks", "copy_of", "distributed", "gathered", "gathers_parameters", "gradient_buckets", "local", "mesh_of",
+           "on_mesh", "original_class", "reshard", "settle_collective", "sharded_units", "storage_resizes",
            "tensor_parallel_group", "unverified_settings", "unwrapped"]
 
 T = TypeVar("T")
@@ -130,6 +131,17 @@ def settle_collective(op: object, out: T) -> T:
     if op is _WAIT:
         time.sleep(_SETTLE_SECONDS)
     return out
+
+
+def gathers_parameters(op: object) -> bool:
+    """Whether ``op`` makes FSDP2's all-gather buffer (a unit's parameters, gathered into it before they are
+    copied out to the parameters' own storages): bytes a count of what a rank holds names gathered parameters.
+
+    Example:
+        >>> gathers_parameters(torch.ops.aten.mm.default)
+        False
+    """
+    return str(op) == "fsdp.all_gather_copy_in.default"
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -415,6 +427,9 @@ class Ranks:
             for segment in step.segments:
                 segment.peak += self.wrapper_bytes
                 segment.start += self.wrapper_bytes
+                for parts in (segment.parts, segment.start_parts):  # the buckets are DDP's state: held throughout
+                    if parts:
+                        parts["states"] += self.wrapper_bytes
             for row in step.rows:  # the live bytes a row reads its regions' transients from
                 row.forward_start += self.wrapper_bytes
                 row.forward_peak += self.wrapper_bytes

@@ -119,7 +119,10 @@ def segment_options(prof: StepProfile, max_span: int = MAX_SPAN) -> dict[int, li
                 continue
             found.setdefault(first, []).append(BlockOption(
                 "segment", kept=rows[first].held_bytes, extra_time=segment_time(prof, first, last),
-                transient=segment_transient(prof, first, last), recomputes=True, span=last - first + 1))
+                transient=segment_transient(prof, first, last), recomputes=True, span=last - first + 1,
+                # every block but the last reruns whole, for the next: its collectives after its saved tensors too
+                resends=sum(row.collectives + row.tail_collectives for row in rows[first:last])
+                + rows[last].collectives))
     return found
 
 

@@ -38,7 +38,7 @@ from ..basics.blockpolicy import BlockPolicy
 from ..measure.copies import link_for, prefetch_wait
 from ..measure.copyline import Copy, Timeline, simulate
 from ..measure.opgraph import BlockGraph, OpProfile
-from ..measure.prices import forward_spared
+from ..measure.prices import forward_spared, sent_again, wire_nodes
 from ..measure.profile import ModuleProfile, StepProfile
 from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
 from .partitioned import PARTITIONED, keep_collectives, partitioned_option
@@ -75,9 +75,11 @@ class BlockOption:
     its backward (``checkpoint_offload``), whose copies :func:`step_extra_time` prices on the step's timeline.
     ``copies``: the saved tensors a kept block moves to host memory (``keep_offload``), priced there too.
     ``spared``: how much less than the plain forward's peak the block's forward holds under the option (negative:
-    more, outputs a policy keeps that the plain forward had freed).  ``backward_held``: bytes the block's own
-    backward holds under the option beyond what it held without a plan (``checkpoint_partitioned``: the shard
-    beside the gathered input, and the gather's padding).
+    more, outputs a policy keeps that the plain forward had freed).  ``resends``: the collectives its recomputation
+    sends again (a tensor-parallel block's all-reduce), which the planner spends only where keeping what crossed
+    the wire does not fit (:func:`~remat.planning.solve.solver.plan_from_profile`).  ``backward_held``: bytes the
+    block's own backward holds under the option beyond what it held without a plan (``checkpoint_partitioned``: the
+    shard beside the gathered input, and the gather's padding).
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -98,6 +100,7 @@ class BlockOption:
     moved: int = field(default=0, compare=False)
     copies: tuple[Copy, ...] = field(default=(), compare=False)
     spared: int = field(default=0, compare=False)
+    resends: int = field(default=0, compare=False)
     backward_held: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -148,7 +151,7 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
             continue
         if "checkpoint" in allow and row.checkpoint_time != float("inf"):
             choices.append(BlockOption("checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True,
-                                       spared=row.forward_spared))
+                                       spared=row.forward_spared, resends=row.collectives))
         if "save_matmuls" in allow and row.matmul_bytes and row.save_matmuls_time != float("inf"):
             # Its recomputation is served the kept matmul outputs it reruns to instead of making them again.
             choices.append(BlockOption("save_matmuls", row.held_bytes + row.matmul_bytes, row.save_matmuls_time,
@@ -233,7 +236,7 @@ def _checkpoint_offload(prof: StepProfile, row: ModuleProfile, after: ModuleProf
     wait = prefetch_wait(moved, 2 * after.forward_time, link_for(prof.device))
     return [BlockOption("checkpoint_offload", row.held_bytes - moved, row.checkpoint_time + wait,
                         row.recompute_bytes, True, copy_time=wait, in_flight=2 * moved, moved=moved,
-                        spared=row.forward_spared)]
+                        spared=row.forward_spared, resends=row.collectives)]
 
 
 def step_extra_time(prof: StepProfile, chosen: Sequence[BlockOption]) -> float:
@@ -342,7 +345,7 @@ def selective_options(prof: StepProfile, ops: OpProfile, points: int = 12, offlo
         graph = ops.blocks[row.name]
         interior = [p for p in thin_front(front, points + 2) if p.mode == "selective"]
         twins = offload_twins(graph, [front[0], *interior]) if offload else []  # what the host link hides
-        options[row.name] = [_option(row, graph, front[0], p) for p in (*interior, *twins)]
+        options[row.name] = [_option(row, graph, front[0], p) for p in (*interior, *twins, *_wire(graph, interior))]
     return options
 
 
@@ -354,6 +357,16 @@ def selective_option(row: ModuleProfile, graph: BlockGraph, kept: Sequence[int])
         >>> option = selective_option(prof.rows[0], prof.ops.blocks[prof.rows[0].name], graph.keepable[:2])
     """
     return _option(row, graph, evaluate(graph, "checkpoint"), evaluate(graph, "selective", kept))
+
+
+def _wire(graph: BlockGraph, interior: Sequence[FrontPoint]) -> list[FrontPoint]:
+    """The point that keeps what crossed the wire and reruns the rest (``remat.policies.save_collectives``), where
+    the block sends collectives and the front's thinned points do not have it: the cheapest bytes that spare a
+    recomputation its communication, which the planner takes before any option that sends them again."""
+    wire = set(wire_nodes(graph))
+    if not sent_again(graph) or any(set(p.kept) == wire for p in interior):
+        return []
+    return [evaluate(graph, "selective", wire)]
 
 
 def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point: FrontPoint) -> BlockOption:
@@ -370,4 +383,5 @@ def _option(row: ModuleProfile, graph: BlockGraph, checkpoint: FrontPoint, point
         recomputed_ops=point.recomputed_ops,
         copy_time=point.copy_time * scale,
         spared=forward_spared(graph, {*point.kept, *point.offloaded}),  # offloaded: on the device until copied
+        resends=len(set(sent_again(graph)) - {*point.kept, *point.offloaded}),
     )

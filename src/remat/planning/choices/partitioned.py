@@ -32,12 +32,11 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ...api.modules import checkpoint_wrapper
-from ...policies.rules import is_collective
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.ranks import original_class, tensor_parallel_group
 from ..measure.gathers import PartitionedInputs
 from ..measure.opgraph import BlockGraph
-from ..measure.prices import collectives
+from ..measure.prices import sent_again, wire_nodes
 from ..measure.profile import ModuleProfile
 
 __all__ = ["PARTITIONED", "keep_collectives", "partition_group", "partitioned_option", "partitioned_wrapper"]
@@ -54,9 +53,8 @@ def keep_collectives(graph: BlockGraph) -> list[int] | None:
         >>> [graph.nodes[i].op for i in keep_collectives(graph)]      # GPT: dropout after the down projection
         ['_c10d_functional.all_reduce.default']
     """
-    kept = [i for i in graph.keepable if is_collective(graph.nodes[i].op)]
-    served = {(graph.nodes[i].op, graph.nodes[i].call) for i in kept}
-    return kept if set(collectives(graph)) <= served else None
+    kept = list(wire_nodes(graph))
+    return kept if set(sent_again(graph)) <= set(kept) else None
 
 
 def partitioned_option(row: ModuleProfile, graph: BlockGraph, keep_collectives_option: Option,
@@ -76,7 +74,7 @@ def partitioned_option(row: ModuleProfile, graph: BlockGraph, keep_collectives_o
     return [replace(base, name=PARTITIONED, kept=base.kept - inputs.whole + inputs.shard,
                     extra_time=base.extra_time + inputs.gather_time, transient=base.transient + inputs.gathered,
                     spared=base.spared - inputs.shard, backward_held=inputs.shard + inputs.gathered - inputs.whole,
-                    wrap=None)]
+                    resends=0, wrap=None)]
 
 
 def partitioned_wrapper(group: Any, policy: BlockPolicy | None = None) -> Callable[[nn.Module], nn.Module]:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -64,19 +63,10 @@ from ..basics.untouched import left_as_found
 from ..basics.userline import user_stacklevel
 from .overheads import Overheads, cached_overheads
 from .saved import Held, SavedTensorGone, Unheld
-from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache
+from .timecache import StepTime, TimingCache, cached_times, model_key, timings_cache, unsteady_limit
 from .timing import Clock, OpTimes, device_of, pooled, time_ops
 
 __all__ = ["BlockGraph", "OpNode", "OpProfile", "StorageLife", "UnsteadyTimings", "profile_ops"]
-
-# A forward whose rounds' interquartile range exceeds this share of their median is measured again, then warned
-# about; REMAT_UNSTEADY_SPREAD sets another share ("inf": never).
-UNSTEADY = 0.10
-
-
-def _unsteady() -> float:
-    return float(os.environ.get("REMAT_UNSTEADY_SPREAD", UNSTEADY))
-
 
 class UnsteadyTimings(UserWarning):
     """A block's timed forwards varied so much between rounds that its prices may move from run to run."""
@@ -556,8 +546,10 @@ def _graphs(records: dict[str, _BlockRecord], estimated: bool, overheads: Overhe
     # ranks timing together time what rank 0's signatures pick (a collective's thread may free a storage late)
     agreed = cache.same({name: g.signature for name, g in graphs.items()})
     first = {signature: name for name, signature in reversed(agreed.items())}
-    times, step_time = cached_times(cache, device, agreed, step, key, _unsteady(), lambda signature: dataclasses.asdict(
-        _steady_times(records[first[signature]], len(graphs[first[signature]].nodes), repeats, unsteady, cache.same)))
+    times, step_time = cached_times(cache, device, agreed, step, key, unsteady_limit(),
+                                    lambda signature: dataclasses.asdict(_steady_times(
+                                        records[first[signature]], len(graphs[first[signature]].nodes), repeats,
+                                        unsteady, cache.same)))
     if unsteady:
         first_name, more = next(iter(unsteady)), (f" and {len(unsteady) - 1} more blocks" if len(unsteady) > 1 else "")
         warnings.warn(UnsteadyTimings(
@@ -589,9 +581,9 @@ def _timed_modules(records: dict[str, _BlockRecord], estimated: bool, same: Call
 def _steady_times(record: _BlockRecord, n: int, repeats: int, unsteady: dict[str, float],
                   same: Callable[[float], float]) -> OpTimes:
     """The block's op times, measured again with more rounds where its forwards varied by more than
-    :data:`UNSTEADY` (or ``REMAT_UNSTEADY_SPREAD``); its spread in ``unsteady`` where they still did.  Whether
-    to measure again is rank 0's call (``same``) where ranks time together."""
-    timing, limit = _time_block(record, n, repeats), _unsteady()
+    :func:`~remat.planning.measure.timecache.unsteady_limit`; its spread in ``unsteady`` where they still did.
+    Whether to measure again is rank 0's call (``same``) where ranks time together."""
+    timing, limit = _time_block(record, n, repeats), unsteady_limit()
     if same(timing.spread) > limit:
         timing = _time_block(record, n, 2 * repeats + 1)
         if same(timing.spread) > limit:

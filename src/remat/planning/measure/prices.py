@@ -51,7 +51,7 @@ from ...policies.rules import MATMUL_OPS, is_collective
 from .opgraph import BlockGraph
 from .timing import op_cost
 
-__all__ = ["BlockPrices", "collectives", "forward_spared", "matmuls", "recompute_peak"]
+__all__ = ["BlockPrices", "forward_spared", "matmuls", "recompute_peak", "sent_again", "wire_nodes"]
 
 _MATMUL_NAMES = frozenset(str(op) for op in MATMUL_OPS)
 
@@ -221,14 +221,27 @@ def _running_peak(delta: list[int]) -> int:
     return peak
 
 
-def collectives(graph: BlockGraph) -> list[tuple[str, int]]:
-    """The collectives a recomputation of the block runs again (op and call index; their waits left out): what
-    crossed the wire in its forward (a row-wise layer's all-reduce), sent again where the block is recomputed and
-    its outputs not kept (``save_matmuls`` and ``remat.policies.save_collectives`` keep them).
+def sent_again(graph: BlockGraph, whole: bool = False) -> tuple[int, ...]:
+    """The nodes of ``graph`` that send a collective (their waits left out) a recomputation of the block runs
+    again: those before its last saved tensor, or with ``whole`` all of them (a block inside a region reruns its
+    every op for the next).  A policy that keeps their outputs (``save_matmuls``,
+    ``remat.policies.save_collectives``) sends none of them again.
 
     Example:
-        >>> collectives(prof.ops.blocks["blocks.0"])        # RowwiseParallel on the block's down projection
-        [('_c10d_functional.all_reduce.default', 0)]
+        >>> [graph.nodes[i].op for i in sent_again(prof.ops.blocks["blocks.0"])]  # RowwiseParallel down projection
+        ['_c10d_functional.all_reduce.default']
     """
-    return [(node.op, node.call) for node in graph.nodes[:graph.stop]
-            if is_collective(node.op) and not node.op.startswith("_c10d_functional.wait_tensor")]
+    nodes = graph.nodes if whole else graph.nodes[:graph.stop]
+    return tuple(node.index for node in nodes
+                 if is_collective(node.op) and not node.op.startswith("_c10d_functional.wait_tensor"))
+
+
+def wire_nodes(graph: BlockGraph) -> tuple[int, ...]:
+    """The keepable nodes whose outputs crossed the wire (collectives and their waits): what
+    ``remat.policies.save_collectives`` keeps.
+
+    Example:
+        >>> set(sent_again(graph)) <= set(wire_nodes(graph))
+        True
+    """
+    return tuple(i for i in graph.keepable if is_collective(graph.nodes[i].op))

@@ -38,7 +38,7 @@ from ..basics.ranks import local
 from ..basics.units import format_bytes
 from .gathers import PartitionedInputs
 from .opgraph import OpProfile, profile_ops
-from .prices import BlockPrices, forward_spared, matmuls, recompute_peak
+from .prices import BlockPrices, forward_spared, matmuls, recompute_peak, sent_again
 from .timecache import StepTime
 from .timeline import Segment, _MatmulMeter, _Probe, _segments, _Storage, _Timeline, _trace
 from .timing import Clock, device_of, spread
@@ -74,6 +74,9 @@ class ModuleProfile:
     holds, served the kept outputs it reruns to.  ``forward_spared`` / ``matmul_forward_spared``: how much less
     than the plain forward's peak the block's forward holds checkpointed / under save_matmuls (autograd keeps
     nothing there; save_matmuls keeps every matmul output, which may hold more: negative).
+    ``collectives``: the collectives (a tensor-parallel block's all-reduce) its recomputation sends again when
+    checkpointed, and ``tail_collectives`` those after its last saved tensor, which a block inside a region also
+    sends again for the next.
     """
 
     name: str
@@ -101,6 +104,8 @@ class ModuleProfile:
     matmul_spared_bytes: int = 0
     forward_spared: int = 0
     matmul_forward_spared: int = 0
+    collectives: int = 0
+    tail_collectives: int = 0
 
     @property
     def recompute_time(self) -> float:
@@ -250,6 +255,8 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
             served = set(BlockPrices(graph).matmul_nodes())
             row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
             row.forward_spared, row.matmul_forward_spared = forward_spared(graph), forward_spared(graph, matmuls(graph))
+            row.collectives = len(sent_again(graph))
+            row.tail_collectives = len(sent_again(graph, whole=True)) - row.collectives
     return prof
 
 
@@ -381,6 +388,11 @@ def _assemble(model: nn.Module, blocks: list[tuple[str, nn.Module]], timeline: _
     n = len(blocks)
     segments, last_raw = _segments(timeline.segments, n)
     first_raw = [0] + [k + 1 for k in last_raw[:-1]]  # a segment's peak is its first raw segment's
+    # what a refusal says its smallest peak is made of
+    at_peaks = timeline.parts_at([timeline.peak_events[k] for k in first_raw])
+    at_starts = timeline.parts_at([timeline.start_events[k] for k in first_raw])
+    for segment, at_peak, at_start in zip(segments, at_peaks, at_starts):
+        segment.parts, segment.start_parts = at_peak, at_start
     own, held, unsaved_held, first_saved, matmul = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
     released: list[dict[int, int]] = [{} for _ in range(n)]
     shared: list[SharedTensor] = []

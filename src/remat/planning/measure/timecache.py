@@ -1,6 +1,7 @@
 """Timings measured once per machine and reused: the same model, inputs and budget give the same plan.
 
-A plan's choices rest on measured times: each block's per-op times and the machinery's overheads.  Measured
+A plan's choices rest on measured times: each block's per-op times, the machinery's overheads and what the
+chunked head adds (:mod:`remat.planning.solve.head`).  Measured
 afresh in every process they move with the machine's load (another job on the cores, clock speeds), and a
 choice between two near-equal options follows that noise from one run to the next.  As autotuners keep
 their measurements, remat keeps these in a small JSON file per machine, keyed by what the time depends on:
@@ -49,8 +50,8 @@ import torch
 from ..basics.ranks import Ranks
 from ..basics.userline import user_stacklevel
 
-__all__ = ["STALE", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times", "measuring_afresh",
-           "model_key", "stale", "stale_slack", "timings_cache"]
+__all__ = ["STALE", "UNSTEADY", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times",
+           "measuring_afresh", "model_key", "stale", "stale_slack", "timings_cache", "unsteady_limit"]
 
 _VERSION = 3  # 3: unsteady timings are not written; a model's step time is kept beside its blocks' timings
 
@@ -96,6 +97,21 @@ def stale(cached_forward: float, step: StepTime, entry: dict[str, float] | None)
             return (f"the training step measured with them took {entry['seconds'] * 1e3:.1f} ms, this process's "
                     f"{step.seconds * 1e3:.1f} ms")
     return ""
+
+
+UNSTEADY = 0.10
+"""A time whose rounds' interquartile range exceeds this share of their median is measured again, then warned about,
+and never written to the file; ``REMAT_UNSTEADY_SPREAD`` sets another share (``inf``: never)."""
+
+
+def unsteady_limit() -> float:
+    """:data:`UNSTEADY`, or ``REMAT_UNSTEADY_SPREAD`` where set.
+
+    Example:
+        >>> unsteady_limit()
+        0.1
+    """
+    return float(os.environ.get("REMAT_UNSTEADY_SPREAD", UNSTEADY))
 
 
 def stale_slack(spread: float) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,11 +19,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...engine.replay import tensor_leaves
-from ...policies.rules import MATMUL_OPS
-from ..basics.ranks import local, settle_collective, storage_resizes
+from ...policies.rules import MATMUL_OPS, is_collective
+from ..basics.ranks import gathers_parameters, local, settle_collective, storage_resizes
 from .opgraph import _op_info
 
-__all__ = ["Segment", "live_bytes_timeline"]
+__all__ = ["PARTS", "Segment", "live_bytes_timeline"]
+
+# What a rank's live bytes are made of, in the user's terms: "states", its parameters, gradients and buffers (its
+# shards of them where sharded; DDP's gradient buckets; no optimizer state, which a step's peak leaves out);
+# "gathered", the parameters FSDP2 gathers and frees again; "head", what the code after the last block makes
+# (the output layer's logits, the loss, their gradients) that no block holds; "activations", the rest: what the
+# blocks keep, their recomputations and backward's working tensors.
+PARTS = ("states", "gathered", "activations", "head")
 
 
 @dataclass
@@ -32,7 +39,9 @@ class Segment:
 
     ``prefix`` blocks come before it (their decisions change it); ``block`` is set for a block's own
     backward (its recomputation raises it); ``start`` is the live bytes when the stretch began;
-    ``backward`` says whether the stretch comes after the model's forward.
+    ``backward`` says whether the stretch comes after the model's forward.  ``parts`` / ``start_parts``: what the
+    live bytes at the peak / at the start are made of (:data:`PARTS`; they sum to ``peak`` / ``start``), empty where
+    not measured.
     """
 
     label: str
@@ -41,18 +50,22 @@ class Segment:
     block: int | None = None
     start: int = 0
     backward: bool = False
+    parts: dict[str, int] = field(default_factory=dict)
+    start_parts: dict[str, int] = field(default_factory=dict)
 
 
 class _Storage:
     """What the profile learns about one storage: size, life in raw segments, who saves and takes it."""
 
-    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted", "born_event", "died_event")
+    __slots__ = ("nbytes", "birth", "death", "savers", "inputs", "existing", "counted", "born_event", "died_event",
+                 "part")
 
     def __init__(self, nbytes: int, birth: int, existing: bool, counted: bool, event: int) -> None:
         self.nbytes, self.birth, self.death, self.existing, self.counted = nbytes, birth, None, existing, counted
         self.born_event, self.died_event = event, None  # when it came and went among all allocations and frees
         self.savers: set[int | None] = set()  # block indices; None for code outside the blocks
         self.inputs: set[int] = set()
+        self.part = ""  # one of PARTS where known when it is made; "" to be told from its life (see parts_at)
 
 
 class _Timeline(TorchDispatchMode):
@@ -72,12 +85,13 @@ class _Timeline(TorchDispatchMode):
         self.refilled: set[_Storage] = set()  # storages a wrapper fills in place (FSDP2's gathered parameters)
         self.events = 0  # allocations and frees so far
         self.peak_events: list[int] = []  # per segment: the last event at which its peak was reached
+        self.start_events: list[int] = []  # per segment: the event count when it started
         for t in existing:
             self.track(t, existing=True)
         for t in uncounted:
             self.track(t, existing=True, counted=False)
         self.segment_peak = self.segment_start = self.live
-        self.segment_peak_event = self.events
+        self.segment_peak_event = self.segment_start_event = self.events
 
     def track(self, t: torch.Tensor, existing: bool = False, counted: bool = True) -> _Storage:
         """The record of ``t``'s storage, created (and counted live) on first sight."""
@@ -105,7 +119,9 @@ class _Timeline(TorchDispatchMode):
             self._free(record)
             del self.storages[storage]
         if storage.nbytes():
-            self.refilled.add(self.track(torch.empty(0, device=storage.device).set_(storage)))
+            refilled = self.track(torch.empty(0, device=storage.device).set_(storage))
+            refilled.part = "gathered"
+            self.refilled.add(refilled)
 
     def _free(self, record: _Storage) -> None:
         if record.death is not None:  # freed by a resize already: the storage's own death frees nothing more
@@ -118,8 +134,9 @@ class _Timeline(TorchDispatchMode):
         """Close the current segment under ``label`` and start the next one."""
         self.segments.append((label, self.segment_peak, self.ops, self.segment_start))
         self.peak_events.append(self.segment_peak_event)
+        self.start_events.append(self.segment_start_event)
         self.segment_peak = self.segment_start = self.live
-        self.segment_peak_event = self.events
+        self.segment_peak_event = self.segment_start_event = self.events
         self.ops = 0
 
     def alive_at_peak(self, record: _Storage, segment: int) -> bool:
@@ -129,14 +146,44 @@ class _Timeline(TorchDispatchMode):
             >>> timeline.alive_at_peak(record, 3)
         """
         moment = self.peak_events[segment]
-        return record.born_event <= moment and (record.died_event is None or record.died_event > moment)
+        return _alive_at(record, moment)
+
+    def parts_at(self, moments: Sequence[int]) -> list[dict[str, int]]:
+        """What the live bytes were made of after each event of ``moments`` (:data:`PARTS`, summing to them).
+
+        A storage made after the last block's forward, in the loss's stretch or before the first block's backward,
+        that no block saves or takes is the head's; any other not known when made is an activation.
+
+        Example:
+            >>> timeline.parts_at([timeline.peak_events[3]])
+            [{'states': 4096, 'gathered': 0, 'activations': 1024, 'head': 0}]
+        """
+        head = {k for k, (label, *_) in enumerate(self.segments) if label in ("loss", "after loss")}
+        changes = []  # (event, bytes, part): every counted storage's birth and death, swept once in event order
+        for record in self.records:
+            if not record.counted:
+                continue
+            part = record.part or ("head" if record.birth in head and not record.inputs
+                                   and not record.savers - {None} else "activations")
+            changes.append((record.born_event, record.nbytes, part))
+            if record.died_event is not None:
+                changes.append((record.died_event, -record.nbytes, part))
+        changes.sort(key=lambda change: change[0])
+        live, found, k = dict.fromkeys(PARTS, 0), {}, 0
+        for moment in sorted(set(moments)):
+            while k < len(changes) and changes[k][0] <= moment:  # alive: born at or before it, not dead by then
+                live[changes[k][2]] += changes[k][1]
+                k += 1
+            found[moment] = dict(live)
+        return [found[moment] for moment in moments]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = settle_collective(func, func(*args, **(kwargs or {})))
         self.ops += 1
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                self.track(t)
+                record = self.track(t)
+                record.part = "gathered" if gathers_parameters(func) else record.part
         if self.series is not None:
             self.series.append(self.live)
         return out
@@ -224,8 +271,8 @@ class _Probe:
 
 
 class _MatmulMeter(TorchDispatchMode):
-    """Per block: its matmul-like outputs, which of them a later op writes in place, and whether one is written
-    after the block's forward.
+    """Per block: the outputs ``save_matmuls`` keeps (matmul-like ops' and collectives'), which of them a later op
+    writes in place, and whether one is written after the block's forward.
 
     ``save_matmuls`` keeps those outputs; one modified after forward would make its recomputation fail
     (the kept value is no longer what the gradients need), so that block cannot take the option.
@@ -255,7 +302,7 @@ class _MatmulMeter(TorchDispatchMode):
                     if owner is not None:
                         self.overwritten.add(record)
                         self.mutated_later[owner] |= owner != i
-        if i is not None and func in MATMUL_OPS:
+        if i is not None and (func in MATMUL_OPS or is_collective(func)):  # what save_matmuls keeps
             for t in tensor_leaves(out):
                 record = self.probe.timeline.track(t)
                 self.outputs[i].add(record)
@@ -275,6 +322,8 @@ def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any]
     params = list(model.parameters())
     # The example inputs exist before the step and are not counted, as MemTracker does not see them.
     timeline = _Timeline([*params, *model.buffers()], uncounted=inputs)
+    for t in (*params, *model.buffers()):
+        timeline.track(t).part = "states"
     probe = _Probe(blocks, timeline)
     meter = _MatmulMeter(probe)
     probe.install()
@@ -300,6 +349,9 @@ def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any]
         probe.remove()
     # each storage once: FSDP2's gradient shards of one unit are views of one reduce-scatter output
     grad_storages = {id(s): s for s in (local(p.grad).untyped_storage() for p in params if p.grad is not None)}
+    for storage in grad_storages.values():
+        if storage in timeline.storages:  # a gradient shard: a state from the moment it is made
+            timeline.storages[storage].part = "states"
     grad_bytes = sum(s.nbytes() for s in grad_storages.values())
     return timeline, probe, meter, grad_bytes
 
@@ -314,6 +366,10 @@ def live_bytes_timeline(step: Callable[[], Any], *existing: torch.Tensor) -> lis
     with timeline:
         step()
     return timeline.series
+
+
+def _alive_at(record: _Storage, moment: int) -> bool:
+    return record.born_event <= moment and (record.died_event is None or record.died_event > moment)
 
 
 def _unpack_identity(t: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,8 @@ class Accounting:
         self.checks: list[list[tuple[int, int, list[tuple[int, int]]]]] = [[] for _ in range(n + 1)]
         self.in_backward: list[list[bool]] = [[] for _ in range(n + 1)]  # per check: a stretch of backward
         self.labels: list[list[str]] = [[] for _ in range(n + 1)]  # per check: its stretch, as the profile names it
+        self.moments: list[list[int]] = [[] for _ in range(n + 1)]  # per check: its segment in the profile
+        self.forward_at, self.backward_at = [0] * n, [0] * n  # the segments of forward[p] and backward[q]
         self.forward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n
         self.backward: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's peak
         self.restart: list[tuple[int, int, list[tuple[int, int]]]] = [(0, 0, [])] * n  # B_q's start
@@ -78,12 +80,15 @@ class Accounting:
                 last_use[bit.bit_length() - 1] = max(last_use[bit.bit_length() - 1], seg.prefix)
             if q is None and seg.label == f"forward {seg.prefix}":
                 self.forward[seg.prefix] = (seg.peak, const, varying)
+                self.forward_at[seg.prefix] = t
             elif q is None:
                 self.checks[seg.prefix].append((seg.peak, const, varying))
                 self.in_backward[seg.prefix].append(seg.backward)
                 self.labels[seg.prefix].append(seg.label)
+                self.moments[seg.prefix].append(t)
             else:
                 self.backward[q] = (seg.peak, const, varying)
+                self.backward_at[q] = t
                 self.restart[q] = (seg.start, *self._start_terms(prof, previous, q, holders))
                 for bit, _ in self.restart[q][2]:
                     last_use[bit.bit_length() - 1] = max(last_use[bit.bit_length() - 1], q)
@@ -199,3 +204,37 @@ class Accounting:
             start = self.value(self.restart[q], freed, mask | started)
             peak = max(peak, start - (own_bytes - option.kept) + option.transient)
         return peak
+
+    def stretches(self, p: int, option: BlockOption, mask: int) -> list[tuple[int, int, bool]]:
+        """The stretches :meth:`option_peak` takes the highest of, each as (live bytes, its segment in the profile,
+        whether at that segment's start: a recomputation's transient, which rises from there).  Asked once, of
+        the plan a refusal names, to say what its peak is made of; :meth:`option_peak` is the cached maximum."""
+        if option.span > 1:
+            return self._segment_stretches(p, option, mask)
+        held_inputs = (self.unsaved[p] if option.recomputes else 0) + option.backward_held
+        held, started = self.holds(p, option), self.takes[p]
+        if option.name == "save_matmuls":
+            held, started = self.takes[p] | self.served[p], started | self.matmuls[p]
+        found = [(self.value(self.forward[p], option.spared, mask), self.forward_at[p], False),
+                 (self.value(self.backward[p], -held_inputs, mask | self.saves[p] | held), self.backward_at[p], False)]
+        if option.recomputes:
+            start = self.value(self.restart[p], 0, mask | started)
+            found.append((start - (self.own[p] - option.kept) + option.transient, self.backward_at[p], True))
+        return found
+
+    def _segment_stretches(self, p: int, option: BlockOption, mask: int) -> list[tuple[int, int, bool]]:
+        """:meth:`stretches` of a segment: :meth:`_segment_peak`'s and :meth:`_run_peaks`' stretches, uncached."""
+        last, held = p + option.span - 1, mask | self.takes[p]
+        found, inner, saved = [], 0, 0
+        for q in range(p, last + 1):
+            if q > p:
+                found.extend((self.value(check, inner, held), t, False)
+                             for check, t in zip(self.checks[q], self.moments[q]))
+            found.append((self.value(self.forward[q], inner + self.spared[q], held if q > p else mask),
+                          self.forward_at[q], False))
+            saved |= self.saves[q]
+            found.append((self.value(self.backward[q], -self.unsaved[p], held | saved), self.backward_at[q], False))
+            inner += self.own[q] - (option.kept if q == p else 0)
+        start = self.value(self.restart[last], sum(self.own[p:last + 1]) - option.kept, held)
+        found.append((start + option.transient, self.backward_at[last], True))
+        return found

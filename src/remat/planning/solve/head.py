@@ -30,6 +30,7 @@ from ..basics.memory import budget_on_device
 from ..basics.units import Budget, parse_budget
 from ..choices.options import DEFAULT_ALLOW
 from ..measure.profile import StepProfile, _assemble
+from ..measure.timecache import stale_slack, timings_cache, unsteady_limit
 from ..measure.timeline import _trace
 from ..measure.timing import Clock
 from .alternatives import distinct_plans, plan_for, plans_near
@@ -124,7 +125,12 @@ def _head_time(head: nn.Linear, labels: torch.Tensor, chunks: int, softcap: floa
     """Device seconds the chunked head adds to a step: its forward and backward on the profiled shapes less the
     unchunked head's, the median over rounds of each round's difference.  Never below zero: where the chunked head
     is the faster (on the CPU, a large vocabulary's logits cost more to write than to compute again) it is priced
-    as free, so that plans do not follow a saving within the timings' noise."""
+    as free, so that plans do not follow a saving within the timings' noise.
+
+    Kept in the machine's timings file (:mod:`~remat.planning.measure.timecache`) like the blocks' times, so whether
+    a plan takes the chunked head does not follow the load from one process to the next; used while the unchunked
+    head timed now is within the stale slack of the time kept with it, and written only when its rounds were
+    steady."""
     device = head.weight.device
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(labels.numel(), head.in_features, generator=gen, device=device, dtype=head.weight.dtype,
@@ -148,12 +154,23 @@ def _head_time(head: nn.Linear, labels: torch.Tensor, chunks: int, softcap: floa
             leaf.grad = None
         return clock.time(step)[1]
 
-    def difference() -> float:  # the two back to back, under one load
-        plain = seconds(unchunked)
-        return seconds(chunked) - plain
-
-    difference()  # warm-up
-    return max(0.0, statistics.median(difference() for _ in range(max(1, repeats))))
+    seconds(unchunked), seconds(chunked)  # warm-up
+    key = (f"{labels.numel()}x{head.in_features}->{head.out_features}|{head.weight.dtype}|bias={bias is not None}|"
+           f"chunks={chunks}|softcap={softcap}")
+    with timings_cache() as cache:
+        kept = cache.get("head", key, str(device))
+        if kept is not None:
+            ratio = seconds(unchunked) / kept["plain"]
+            slack = stale_slack(kept["spread"])
+            if 1 / (1 + slack) <= ratio <= 1 + slack:
+                return kept["seconds"]
+        rounds = [(seconds(unchunked), seconds(chunked)) for _ in range(max(1, repeats))]  # back to back, one load
+        plain = statistics.median(p for p, _ in rounds)
+        extra = max(0.0, statistics.median(c - p for p, c in rounds))
+        spread = (max(p for p, _ in rounds) - min(p for p, _ in rounds)) / plain if plain > 0 else 0.0
+        if spread <= unsteady_limit():
+            cache.put("head", key, str(device), {"seconds": extra, "plain": plain, "spread": spread})
+    return extra
 
 
 def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
@@ -171,7 +188,9 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
     def solve(profile: StepProfile, whole: Budget) -> list[Plan]:
         return [plan_from_profile(profile, whole) if allow is None else plan_from_profile(profile, whole, allow)]
 
-    return min(_on_both(prof, head, budget, solve), key=lambda made: made.predicted_extra_time)
+    # as plan_from_profile: a plan that sends collectives again only where none that keeps them fits
+    return min(_on_both(prof, head, budget, solve),
+               key=lambda made: (made.collectives_rerun > 0, made.predicted_extra_time))
 
 
 def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,

@@ -313,8 +313,9 @@ class Plan:
         if self.collectives_rerun:
             rerun = ", ".join(f"{name} {block['collectives']}" for name, block in self.blocks.items()
                               if block.get("collectives"))
+            why = f" ({self.meta['collectives']})" if "collectives" in self.meta else ""
             summary += (f"; recomputation sends {self.collectives_rerun} collectives again per step ({rerun}), "
-                        "communication priced with the recomputation")
+                        f"communication priced with the recomputation{why}")
         above = self.predicted_peak - self.param_bytes
         base_above = self.baseline_peak - self.param_bytes
         lines.append(

@@ -4,12 +4,12 @@ Example:
     >>> try:
     ...     prof.plan(0.01)
     ... except InfeasibleBudget as refused:
-    ...     print(refused.smallest)
+    ...     print(refused.smallest, refused.parts)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..basics.units import format_bytes
@@ -29,17 +29,25 @@ class InfeasibleBudget(ValueError):
     blocks frees memory, and ``chained``: runs of them as one region were weighed too, so larger blocks made of
     them would free no more; ``unavailable``: a sentence on the options asked for that this device cannot have;
     ``where``: the stretch of the step where the smallest peak falls, in words (what dominates it).
+    ``parts``: what that peak is made of, in bytes that sum to ``smallest`` (one rank's, on a distributed model):
+    ``states`` (parameters, gradients and buffers, the rank's shards of them where sharded, DDP's gradient
+    buckets; no optimizer state, which no plan's peak counts), ``gathered`` (the parameters FSDP2 gathers),
+    ``activations`` (what the blocks keep, a recomputation, backward's working tensors) and ``head`` (the output
+    layer and loss's logits and gradients); empty where the profile did not record them.  The message names
+    the parts of 5% or more, largest first.
     ``reasons`` holds these, to state them again for another budget or smallest peak.
     """
 
     def __init__(self, budget: int, smallest: int, param_bytes: int = 0, unplanned_above: int = 0,
                  requested: object = None, nothing_frees: bool = False, writing: Sequence[str] = (),
                  in_place: Sequence[str] = (), unwritten: int | None = None, unavailable: str = "",
-                 chained: bool = False, where: str = "") -> None:
+                 chained: bool = False, where: str = "", parts: Mapping[str, int] | None = None) -> None:
         self.budget, self.smallest, self.param_bytes = budget, smallest, param_bytes
+        self.parts = dict(parts or {})
         self.reasons: dict[str, Any] = {"nothing_frees": nothing_frees, "writing": tuple(writing),
                                         "in_place": tuple(in_place), "unwritten": unwritten,
-                                        "unavailable": unavailable, "chained": chained, "where": where}
+                                        "unavailable": unavailable, "chained": chained, "where": where,
+                                        "parts": self.parts}
         asked = ""
         if isinstance(requested, float):
             asked = f"{requested:.0%} came to "
@@ -72,8 +80,23 @@ class InfeasibleBudget(ValueError):
             advice = f"{unavailable} {advice}"
         super().__init__(
             f"no plan fits the budget: {asked}{both(budget)}; the smallest peak any plan reaches is "
-            f"{both(smallest)}{f', {where}' if where else ''}. {advice}"
+            f"{both(smallest)}{f', {where}' if where else ''}{_made_of(self.parts)}. {advice}"
         )
+
+
+_NAMED = {"gathered": "gathered parameters", "activations": "activations", "head": "output layer and loss"}
+_SHOWN = 0.05  # parts below this share of the peak are left out of the message (``parts`` has them all)
+
+
+def _made_of(parts: Mapping[str, int]) -> str:
+    """``parts`` in words, the largest first, those under 5% of their sum left out."""
+    total = sum(parts.values())
+    if total <= 0:
+        return ""
+    # the states are the rank's shards where FSDP2 gathers the parameters
+    named = {**_NAMED, "states": "sharded states" if parts.get("gathered") else "parameters and gradients"}
+    shown = sorted(((nbytes, part) for part, nbytes in parts.items() if nbytes >= _SHOWN * total), reverse=True)
+    return ": " + ", ".join(f"{format_bytes(nbytes)} {named[part]}" for nbytes, part in shown)
 
 
 def _unwriting(writing: Sequence[str], in_place: Sequence[str], smallest: str) -> str:

@@ -62,6 +62,7 @@ from ..choices.placement import cheaper_placement
 from ..measure.profile import StepProfile
 from .accounting import Accounting
 from .copyplan import offload_first, scheduled_peak
+from .floor import floor
 from .plan import Plan
 from .refusal import InfeasibleBudget
 
@@ -298,14 +299,13 @@ def plan_from_profile(
     budget_bytes, requested, parsed = _resolve_budget(prof, budget)
     built = options is None  # the built-in options: those the advice on blocks writing in place may rebuild
     options = _resolve_options(prof, allow, options)
-    # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
-    # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
-    # the search weigh every level on the timeline)
-    hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
-    placed = cheapest(prof, budget_bytes, hidden)
-    if placed is None and sum(map(len, hidden)) < sum(map(len, options)):
-        placed = cheapest(prof, budget_bytes, options)  # the levels left out may be the only ones that fit
-    placed = _no_worse_than_rules(prof, budget_bytes, options, placed)
+    # A collective sent again in backward waits there on every rank's recomputation, which no price of one rank
+    # sees: a plan keeps what crossed the wire wherever that fits, and sends it again only where it does not.
+    quiet = [[o for o in choices if not o.resends] for choices in options]
+    resending = sum(map(len, quiet)) < sum(map(len, options))
+    placed = _search(prof, budget_bytes, quiet) if resending else None
+    if placed is None:
+        placed = _search(prof, budget_bytes, options)
     if placed is None:
         smallest = _smallest_peak(prof, options)
         writers = [row for row in prof.rows if row.writes_input]
@@ -316,43 +316,33 @@ def plan_from_profile(
                                unwritten=_unwritten_peak(prof, allow) if writers and built else None,
                                unavailable="" if tuple(allow) == DEFAULT_ALLOW else offloads_note(prof, allow),
                                chained=bool(prof.links) and all(prof.links) and "checkpoint" in allow,
-                               where=_where_it_peaks(prof, options, smallest))
+                               **_where_it_peaks(prof, options, smallest))
     plan = plan_of(prof, placed, budget_bytes)
+    if plan.collectives_rerun and resending:
+        plan.meta["collectives"] = "no plan that keeps every collective's output fits the budget"
     if parsed.text.lower().startswith("free"):  # the device's free memory when planning: the plan states it
         plan.meta["budget"] = parsed.text
     return plan
 
 
-def _where_it_peaks(prof: StepProfile, options: list[list[BlockOption]], smallest: int) -> str:
-    """Where the plan that reaches ``smallest`` peaks, in words: what no option of the blocks lowers further
-    (what dominates the floor). ``''`` where that plan is not found again."""
+def _search(prof: StepProfile, budget: int, options: list[list[BlockOption]]) -> list[tuple[int, BlockOption]] | None:
+    """The cheapest placement of ``options`` within ``budget`` bytes, no worse than the rules people checkpoint by;
+    None where none fits."""
+    # the dynamic program weighs a kept block's moved tensors only where its own forward hides their copies: its
+    # sums cannot see the others hidden behind the forwards after it (the offload-first plans and the moves after
+    # the search weigh every level on the timeline)
+    hidden = [[o for o in choices if not (o.copies and o.copy_time > 0)] for choices in options]
+    placed = cheapest(prof, budget, hidden)
+    if placed is None and sum(map(len, hidden)) < sum(map(len, options)):
+        placed = cheapest(prof, budget, options)  # the levels left out may be the only ones that fit
+    return _no_worse_than_rules(prof, budget, options, placed)
+
+
+def _where_it_peaks(prof: StepProfile, options: list[list[BlockOption]], smallest: int) -> dict[str, Any]:
+    """Where the plan that reaches ``smallest`` peaks, in words, and what that peak is made of
+    (:func:`~remat.planning.solve.floor.floor`); nothing where that plan is not found again."""
     placed = cheapest(prof, smallest, options, with_cost=False)
-    if placed is None:
-        return ""
-    accounting, rows = Accounting(prof), prof.rows
-    best, where, freed, mask, p = -1, "", 0, 0, 0
-    for p, option in placed:
-        for check, label in zip(accounting.checks[p], accounting.labels[p]):
-            if accounting.value(check, freed, mask) > best:
-                best, where = accounting.value(check, freed, mask), label
-        if accounting.option_peak(p, option, mask) - freed > best:
-            best, where = accounting.option_peak(p, option, mask) - freed, f"block {p}"
-        freed += accounting.freed_by(p, option)
-        mask |= accounting.holds(p, option)
-    for check, label in zip(accounting.checks[accounting.n], accounting.labels[accounting.n]):
-        if accounting.value(check, freed, mask) > best:
-            best, where = accounting.value(check, freed, mask), label
-    head = {"loss": "at the loss (the output's logits and what every block keeps)",
-            "after loss": "in the output layer and loss's backward (the logits' gradients), which no block option "
-                          "changes (remat.chunked_lm_loss computes them in chunks)"}
-    if where in head:
-        return head[where]
-    kind, _, index = where.rpartition(" ")
-    name = f"`{rows[int(index)].name}`" if index.isdigit() else ""
-    return {"block": f"in {name}'s own forward or backward (what it keeps, or its recomputation)",
-            "forward": f"in the forward after {name} (what the blocks before keep)",
-            "before forward": f"in the forward before {name} (what the blocks before keep)",
-            "backward": f"in the backward of {name} (the gradients so far and what later blocks keep)"}.get(kind, "")
+    return {} if placed is None else floor(prof, placed, smallest)
 
 
 def _unwritten_peak(prof: StepProfile, allow: Sequence[str]) -> int:
@@ -481,6 +471,8 @@ def _summary(own_bytes: int, option: BlockOption) -> dict[str, Any]:
                                "extra_time": option.extra_time}
     if option.span > 1:
         summary["span"] = option.span
+    if option.resends:
+        summary["collectives"] = option.resends
     if option.recomputed_ops is not None:
         summary["recomputed_ops"] = option.recomputed_ops
     if option.policy is not None and option.policy.offloaded_bytes:
