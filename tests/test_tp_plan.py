@@ -253,3 +253,111 @@ def test_what_crossed_the_wire_is_counted_where_a_plan_keeps_it(model):
 
             measured = remat.measure_step(step, planned, opt).peak_total
             assert abs(measured - plan.predicted_peak) <= 8192, (plan.decisions, measured, plan.predicted_peak)
+
+
+def test_partitioned_inputs_train_bitwise_at_the_predicted_peak_with_one_all_gather_each(per_rank):
+    """Every block ``checkpoint_partitioned`` (priced by name, saved, loaded and applied): each rank keeps half of
+    each block's 1 MiB input and gathers it back in backward; its backward runs the unplanned all-reduces and one
+    all-gather per block, none sent again, gradients bitwise, and each step's per-rank peak is the prediction.
+
+    Within 1.5%: no recomputation here reruns a collective, so no buffer gloo's thread lets go of late enters the
+    prediction; the shard held beside the gathered input in the first block's backward is 2.9% of the peak."""
+    for rank in per_rank:
+        case = rank["partitioned"]
+        assert case["partitioned"] == {f"blocks.{i}": 512 << 10 for i in range(3)}, case["partitioned"]
+        planned = case["every block"]
+        assert set(planned["decisions"].values()) == {"checkpoint_partitioned"}, planned
+        assert planned["bitwise"], planned
+        assert planned["rerun"] == 0
+        assert planned["reduces"] == [n + 3 for n in case["unplanned_reduces"]], (case["unplanned_reduces"], planned)
+        assert len(planned["measured"]) == 3
+        for measured in planned["measured"]:
+            assert abs(measured - planned["predicted_peak"]) <= 0.015 * planned["predicted_peak"], planned
+        assert "one shard per tensor-parallel rank, all-gathered in backward" in planned["printed"], planned["printed"]
+
+
+def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(per_rank):
+    """At the every-block plan's own peak no plan of the other options fits: the solver's plan keeps some block's
+    input as shards (one all-gather more in backward for each), trains bitwise and peaks as predicted."""
+    for rank in per_rank:
+        case = rank["partitioned"]
+        assert case["without it"] == "refused", case["without it"]
+        planned = case["at its peak"]
+        partitioned = [name for name, decision in planned["decisions"].items() if decision == "checkpoint_partitioned"]
+        assert partitioned, planned["decisions"]
+        assert planned["bitwise"] and planned["rerun"] == 0, planned
+        assert planned["reduces"] == [n + len(partitioned) for n in case["unplanned_reduces"]], planned
+        for measured in planned["measured"]:
+            assert abs(measured - planned["predicted_peak"]) <= 0.03 * planned["predicted_peak"], planned
+
+
+def test_a_partitioned_plan_refuses_a_model_without_a_mesh_in_one_line(per_rank):
+    for rank in per_rank:
+        refused = rank["partitioned"]["unsharded"]
+        assert refused.startswith("remat.Plan.apply: this plan was made for tensor parallel on a mesh of shape (2,)")
+        assert "\n" not in refused
+
+
+def test_a_partitioned_decision_needs_a_tensor_parallel_model():
+    """A plan made by hand, with no mesh recorded, names the block and what is missing instead of failing inside."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plan = remat.Plan(decisions={"0": "checkpoint_partitioned", "1": "keep"}, predicted_peak=0,
+                      predicted_extra_time=0.0, budget=0, baseline_peak=0, param_bytes=0,
+                      meta=describe_model(model, ["0", "1"]))
+    with pytest.raises(ValueError) as refused:
+        plan.apply(model)
+    assert str(refused.value) == (
+        "remat.Plan.apply: the plan keeps `0`'s inputs as shards across tensor-parallel ranks (checkpoint_partitioned) "
+        "and this Sequential is not tensor parallel; apply it to the tensor-parallel model it was made for, or plan "
+        "this model.")
+    assert not isinstance(model[0], remat.ActivationWrapper)  # refused before anything is wrapped
+
+
+def test_the_group_of_a_mesh_of_more_dimensions_is_refused_in_one_line():
+    """Parameters distributed over a whole 2-D mesh: which ranks hold equal activations is not decidable."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    with remat.fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = nn.Linear(4, 4)
+        model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate(), Shard(0)]))
+        with pytest.raises(ValueError, match=r"^remat: Linear's tensor-parallel parameters are spread over a 2-D mesh "
+                                             r"\(2, 2\); partitioned inputs need tensor parallel on a 1-D mesh"):
+            ranks.tensor_parallel_group(model)
+        one = init_device_mesh("cpu", (4,))
+        flat = nn.Linear(4, 4)
+        flat.weight = nn.Parameter(distribute_tensor(flat.weight.detach(), one, [Shard(0)]))
+        assert ranks.tensor_parallel_group(flat) is one.get_group()
+
+
+def test_an_input_is_kept_as_a_shard_by_one_rule():
+    """What the profile counts as a block's sharded input is what the hooks shard: plain tensors of 1 MiB and more,
+    contiguous, not parameters nor leaves that require grad; a shard is a padded 1/world share."""
+    from torch import nn
+
+    from remat.policies.partition import shard_bytes
+
+    big = torch.zeros(1 << 18) + 1  # 1 MiB, made by an op
+    assert shard_bytes(big, 2) == 1 << 19 and shard_bytes(big, 3) == -(-(1 << 18) // 3) * 4
+    assert shard_bytes(big, 1) is None and shard_bytes(big[: 1 << 17], 2) is None  # one rank; under 1 MiB
+    assert shard_bytes(nn.Parameter(torch.zeros(1 << 18)), 2) is None
+    assert shard_bytes(torch.zeros(1 << 18, requires_grad=True), 2) is None
+    assert shard_bytes(torch.zeros(2, 1 << 18).t(), 2) is None  # not contiguous
+
+
+def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_line():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    prof = remat.profile(model, torch.randn(8, 32), loss_fn=lambda out: out.sum(), repeats=1)
+    assert prof.partitioned == {}
+    with pytest.raises(ValueError) as refused:
+        prof.plan("60%", allow=("checkpoint_partitioned",))
+    assert str(refused.value) == (
+        "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun, "
+        "whose blocks take inputs of 1 MiB or more that every rank holds in full; this profile has none: allow "
+        "checkpoint, save_matmuls or selective.")

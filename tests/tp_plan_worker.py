@@ -10,11 +10,14 @@ steps beside the same TP model without a plan: losses and local gradient shards 
 per-rank peak measured by ``remat.measure_step``, the collectives each backward runs counted (the sequence-parallel
 GPT also trains with every block ``save_matmuls``).  Then the plan is
 applied to the model without tensor parallel, and to one on a mesh with named dimensions; last, the Llama with its
-output layer split too.
+output layer split too; and a GPT whose blocks' inputs are large enough to keep as shards
+(:func:`_partitioned`: every block ``checkpoint_partitioned``, saved and loaded, and the plan at that plan's own
+peak, where no plan without the option fits).
 Rank 0 writes every rank's results (gathered) to the JSON path :func:`run` is given.
 """
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -31,18 +34,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
+from remat.planning.choices.options import DEFAULT_ALLOW
 
 GPT_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=4, mlp_ratio=8, seq_len=64, vocab_size=16)
 # More heads: attention's bytes grow, its collectives' do not, so the buffers gloo's thread may let go of after a
 # step's peak stay well under 3% of it.
 SEQUENCE_PARALLEL_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=16, mlp_ratio=8, seq_len=64, vocab_size=16)
+# Each block's input is 64 x 64 x 64 float32: 1 MiB, the smallest input PartitionInputs keeps as shards.  Without
+# dropout a recomputation stops before the down projection's all-reduce (whose 1 MiB buffer gloo's thread may let go
+# of late, which a rerun of it would bring into the prediction).
+PARTITIONED_CFG = GPTConfig(n_layers=3, d_model=64, n_heads=4, mlp_ratio=4, seq_len=64, vocab_size=16, dropout=0.0)
+PARTITIONED_BATCH = 64
 STEPS = 3
 BUDGETS = ("90%", "50%")
 
 
 _COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
                 torch.ops._c10d_functional.all_gather_into_tensor.default,
-                torch.ops._c10d_functional.reduce_scatter_tensor.default)
+                torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                torch.ops.c10d._allgather_base_.default)  # a partitioned input's all-gather in backward
 
 
 class _CountCollectives(TorchDispatchMode):
@@ -112,6 +122,8 @@ def _llama(mesh):
 
 def _batches(name):
     generator = torch.Generator().manual_seed(7)  # tensor parallel: every rank the same batch
+    if name == "partitioned":
+        return [synthetic_batch(PARTITIONED_CFG, PARTITIONED_BATCH, generator=generator) for _ in range(STEPS)]
     if name.startswith("gpt"):
         return [synthetic_batch(GPT_CFG, 8, generator=generator) for _ in range(STEPS)]
     return [(ids, ids) for ids in (torch.randint(0, 64, (4, 128), generator=generator) for _ in range(STEPS))]
@@ -206,12 +218,50 @@ def _split_output_layer(mesh) -> dict:
     return {"head": prof.head is not None, "chunks": plan.head_chunks, "decisions": plan.decisions}
 
 
+def _partitioned_gpt(mesh):
+    torch.manual_seed(0)
+    model = GPT(PARTITIONED_CFG)
+    if mesh is not None:
+        for block in model.blocks:
+            parallelize_module(block.mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def _partitioned(mesh, folder) -> dict:
+    """Every block ``checkpoint_partitioned`` (priced by name, saved and loaded), and the plan at that plan's own
+    peak: trained beside the TP model without a plan."""
+    batches = _batches("partitioned")
+    expected = _train("gpt", _partitioned_gpt(mesh), batches)
+    tokens, targets = batches[0]
+    prof = remat.profile(_partitioned_gpt(mesh), tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten()), repeats=1, hold_output=False)
+    every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
+    path = f"{folder}/partitioned-{dist.get_rank()}.json"
+    every.save(path)
+    plans = {"every block": remat.Plan.load(path), "at its peak": prof.plan(every.predicted_peak)}
+    result = {"partitioned": {name: entry.shard for name, entry in prof.partitioned.items()},
+              "unplanned": expected[2], "unplanned_reduces": expected[3]}
+    for name, plan in plans.items():
+        got = _train("gpt", plan.apply(_partitioned_gpt(mesh)), batches)
+        result[name] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],
+                        "bitwise": _bitwise(expected, got), "reduces": got[3], "rerun": plan.collectives_rerun,
+                        "printed": str(plan)}
+    others = [option for option in DEFAULT_ALLOW if option != "checkpoint_partitioned"]
+    try:  # no plan without the option fits at its peak: the solver takes it on its own there
+        result["without it"] = prof.plan(every.predicted_peak, allow=others).decisions
+    except remat.InfeasibleBudget:
+        result["without it"] = "refused"
+    result["unsharded"] = _refusal(every, _partitioned_gpt(None))
+    return result
+
+
 def run(report_path: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     named = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     mine = {"gpt": _case("gpt", _gpt, mesh, named), "llama": _case("llama", _llama, mesh, named),
             "gpt_sequence_parallel": _case("gpt_sequence_parallel", _gpt_sequence_parallel, mesh, named),
-            "split_output_layer": _split_output_layer(mesh)}
+            "split_output_layer": _split_output_layer(mesh),
+            "partitioned": _partitioned(mesh, os.path.dirname(report_path))}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:

@@ -29,6 +29,8 @@ from .basics.units import Budget, parse_budget
 from .basics.untouched import left_as_found
 from .basics.userline import user_stacklevel
 from .choices.options import DEFAULT_ALLOW, offloads_note, unavailable_offloads
+from .choices.partitioned import PARTITIONED
+from .measure.gathers import partitioned_inputs
 from .measure.interconnect import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, Interconnect
 from .measure.profile import StepProfile, default_loss, measure
 from .measure.timecache import measuring_afresh
@@ -249,6 +251,8 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
+        # a tensor-parallel block's inputs kept as shards: which, and their all-gathers timed, on every rank
+        measured.partitioned = partitioned_inputs(model, blocks, lambda: model(*example_inputs, **kwargs), ranks)
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
         chunkable = on_meta is None and ranks.chunked_head
         head = None if not chunkable else measure_head(model, example_inputs, kwargs, blocks, loss_fn is not None,
@@ -266,7 +270,7 @@ def profile(
     result = Profile(**{f.name: getattr(measured, f.name) for f in fields(measured)}, model_meta=model_meta,
                      head=head)
     if head is not None:
-        head.profile.links = measured.links
+        head.profile.links, head.profile.partitioned = measured.links, measured.partitioned
     if not ops:  # the op graphs priced the options; kept only when plans may draw selective options from them
         result.ops = None
         if head is not None:
@@ -445,10 +449,11 @@ def plan(
     50%?); the ``remat`` command reads it the same way (:func:`~remat.planning.basics.units.parse_budget`).  ``allow``
     lists the options a block may take besides ``keep``: ``checkpoint``, ``save_matmuls``, ``selective``
     (op-level: keep chosen op outputs of the block, recompute the rest; needs one more forward to record the op
-    graphs) and ``offload`` (only considered on an accelerator).  For several budgets, profile once and call
-    ``prof.plan(budget)`` for each.  ``hold_output``: the training loop keeps the model's output until backward
-    ends (the default) or lets go of it once the loss is computed, as in :func:`remat.profile`.  The plan records
-    the model it was made for (``plan.meta``) and checks it when applied.
+    graphs), ``offload`` (only considered on an accelerator) and ``checkpoint_partitioned`` (a tensor-parallel block's
+    inputs kept as one shard per rank, all-gathered in backward; on a mesh under torchrun).  For several budgets,
+    profile once and call ``prof.plan(budget)`` for each.  ``hold_output``: the training loop keeps the model's
+    output until backward ends (the default) or lets go of it once the loss is computed, as in
+    :func:`remat.profile`.  The plan records the model it was made for (``plan.meta``) and checks it when applied.
 
     Example:
         >>> p = remat.plan(model, input_ids=ids, labels=ids, budget="50%")   # Hugging Face: .loss is the loss
@@ -459,6 +464,7 @@ def plan(
     check_inputs(model, example_inputs, example_kwargs, "remat.plan")
     Ranks.of(model).agree("remat.plan", {"the budget": str(budget)})
     refuse_checkpointed(model, "remat.plan")
-    prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops="selective" in allow,
-                   hold_output=hold_output, **example_kwargs)
+    graphs = bool({"selective", PARTITIONED} & set(allow))  # the options drawn from the op graphs
+    prof = profile(model, *example_inputs, loss_fn=loss_fn, modules=modules, ops=graphs, hold_output=hold_output,
+                   **example_kwargs)
     return prof.plan(budget, allow)

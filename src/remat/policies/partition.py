@@ -22,10 +22,26 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PARTITION_MIN_BYTES", "PartitionInputs", "PartitionStats"]
+__all__ = ["PARTITION_MIN_BYTES", "PartitionInputs", "PartitionStats", "shard_bytes"]
 
 PARTITION_MIN_BYTES = 1 << 20
 """The smallest input :class:`PartitionInputs` shards: below it the all-gather costs more than it frees."""
+
+
+def shard_bytes(tensor: torch.Tensor, world: int, min_bytes: int = PARTITION_MIN_BYTES) -> int | None:
+    """The bytes one rank of ``world`` keeps of ``tensor`` when :class:`PartitionInputs` saves it (its slice,
+    padded to a ``1/world`` share), or None where the hooks keep it whole: a tensor subclass (a DTensor), a
+    parameter or a leaf that requires grad, a non-contiguous tensor, one under ``min_bytes``, or one rank alone.
+
+    Example:
+        >>> shard_bytes(torch.zeros(1024, 1024), world=2)
+        2097152
+    """
+    owner = tensor._base if tensor._base is not None else tensor
+    if (type(tensor) is not torch.Tensor or world == 1 or tensor.nbytes < min_bytes or not tensor.is_contiguous()
+            or (owner.is_leaf and (owner.requires_grad or isinstance(owner, nn.Parameter)))):
+        return None
+    return -(-tensor.numel() // world) * tensor.element_size()
 
 
 @dataclass
@@ -78,9 +94,7 @@ class PartitionInputs(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         owner = tensor._base if tensor._base is not None else tensor
-        if (type(tensor) is not torch.Tensor or self.world == 1 or tensor.nbytes < self.min_bytes
-                or not tensor.is_contiguous() or (owner.is_leaf and (owner.requires_grad
-                                                                     or isinstance(owner, nn.Parameter)))):
+        if shard_bytes(tensor, self.world, self.min_bytes) is None:
             return _Saved(tensor, None, tensor.numel(), weakref.ref(owner), tensor._version)
         flat = tensor.detach().reshape(-1)
         per_rank = -(-flat.numel() // self.world)

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
-_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload")
+_ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload",
+            "checkpoint_partitioned")
+_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload", "checkpoint_partitioned")
 """``remat.planning.choices.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
 no torch (test_cli checks that they agree)."""
 

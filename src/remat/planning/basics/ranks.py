@@ -19,6 +19,7 @@ never test for ranks or wrappers themselves; they ask this module:
   added to the profile of the module it wraps;
 * :func:`mesh_of`: the device mesh a tensor-parallel model's parameters are spread over (DTensor parameters
   that ``parallelize_module`` made), recorded by a plan, which refuses a model on another mesh;
+  :func:`tensor_parallel_group`: its process group, over which a plan shards a block's inputs;
 * :func:`local`: the bytes a rank holds of a sharded tensor (its shard); :func:`storage_resizes`: FSDP2 frees
   and refills its gathered parameters by resizing their storages, which a count of live bytes must follow;
   :func:`gathers_parameters`: the op that makes FSDP2's all-gather buffer, counted as gathered parameters too;
@@ -56,7 +57,7 @@ from torch import nn
 
 __all__ = ["Ranks", "copy_of", "distributed", "gathered", "gathers_parameters", "gradient_buckets", "local", "mesh_of",
            "on_mesh", "original_class", "reshard", "settle_collective", "sharded_units", "storage_resizes",
-           "unverified_settings", "unwrapped"]
+           "tensor_parallel_group", "unverified_settings", "unwrapped"]
 
 T = TypeVar("T")
 P = TypeVar("P")
@@ -166,17 +167,48 @@ def mesh_of(model: nn.Module) -> dict[str, Any] | None:
         >>> mesh_of(model)                 # ColwiseParallel / RowwiseParallel on 2 ranks
         {'shape': [2], 'dims': ['tp'], 'world size': 2}
     """
+    mesh = _mesh(model)
+    if mesh is None:
+        return None
+    import torch.distributed as dist
+
+    names = getattr(mesh, "mesh_dim_names", None)
+    return {"shape": list(mesh.shape), "dims": list(names) if names else None,
+            "world size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def tensor_parallel_group(model: nn.Module) -> Any:
+    """The process group of the ranks tensor parallel spreads ``model``'s parameters over (the ranks that all hold
+    a block's replicated activations in full), or None where it has no mesh.
+
+    A 1-D mesh is that group; under FSDP2 on a 2-D (dp, tp) mesh, tensor parallel's parameters were spread over the
+    mesh's ``tp`` dimension (``parallelize_module`` takes a 1-D mesh), which is the one read.  A mesh of more
+    dimensions (parameters distributed over a whole N-D mesh) is refused in one line: which of its dimensions hold
+    equal activations is not decidable from the parameters.
+
+    Example:
+        >>> tensor_parallel_group(model)           # ColwiseParallel / RowwiseParallel on 2 ranks
+        <torch.distributed.distributed_c10d.ProcessGroup object at ...>
+    """
+    mesh = _mesh(model)
+    if mesh is None:
+        return None
+    if mesh.ndim != 1:
+        raise ValueError(f"remat: {original_class(model).__name__}'s tensor-parallel parameters are spread over a "
+                         f"{mesh.ndim}-D mesh {tuple(mesh.shape)}; partitioned inputs need tensor parallel on a 1-D "
+                         "mesh (parallelize_module(..., mesh['tp'], ...)): plan without checkpoint_partitioned.")
+    return mesh.get_group()
+
+
+def _mesh(model: nn.Module) -> Any:
+    """The device mesh of ``model``'s first tensor-parallel parameter (FSDP2's own shards left out), or None."""
     fsdp_managed = {id(p) for unit in sharded_units(model) for p in unit.parameters()}
     for parameter in model.parameters():
         mesh = getattr(parameter, "device_mesh", None)
         if mesh is not None and id(parameter) in fsdp_managed:  # FSDP2 keeps the tensor-parallel spec it found
             mesh = _tensor_parallel_mesh(parameter, model)
         if mesh is not None:
-            import torch.distributed as dist
-
-            names = getattr(mesh, "mesh_dim_names", None)
-            return {"shape": list(mesh.shape), "dims": list(names) if names else None,
-                    "world size": dist.get_world_size() if dist.is_initialized() else 1}
+            return mesh
     return None
 
 

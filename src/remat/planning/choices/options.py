@@ -1,5 +1,7 @@
-"""What each block may become in a plan: keep, checkpoint, save_matmuls, selective points, offload, and kept with
-its largest saved tensors offloaded (``keep_offload``, built by :mod:`remat.planning.choices.keptoffload`).
+"""What each block may become in a plan: keep, checkpoint, save_matmuls, selective points, offload, kept with
+its largest saved tensors offloaded (``keep_offload``, built by :mod:`remat.planning.choices.keptoffload`), and on a
+tensor-parallel model checkpointed with its inputs kept as one shard per rank (``checkpoint_partitioned``,
+:mod:`remat.planning.choices.partitioned`).
 
 Each option is a :class:`BlockOption`: the bytes of the block's own it keeps from forward to backward, the
 extra step time it costs, the transient its recomputation adds in backward, and how to install it.
@@ -39,15 +41,17 @@ from ..measure.opgraph import BlockGraph, OpProfile
 from ..measure.prices import forward_spared, sent_again, wire_nodes
 from ..measure.profile import ModuleProfile, StepProfile
 from .fronts import FrontPoint, evaluate, fronts, offload_twins, policy_for, thin_front
+from .partitioned import PARTITIONED, keep_collectives, partitioned_option
 
 __all__ = ["BlockOption", "CopySchedule", "block_options", "copy_schedule", "offloads_note", "selective_option",
            "selective_options", "step_extra_time", "unavailable_offloads"]
 
-OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload")
+OPTIONS = ("keep", "checkpoint", "save_matmuls", "selective", "offload", "checkpoint_offload", "keep_offload",
+           PARTITIONED)
 ALLOWED = OPTIONS[1:]
 # Offloading op outputs is asked for by name: on an H100 a Llama layer that offloaded 32 MiB of op outputs
 # measured ~4 ms of extra time, priced ~2 ms, and no plan measured faster with offloads than without.
-DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload")
+DEFAULT_ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload", PARTITIONED)
 OFFLOADS = ("offload", "checkpoint_offload", "keep_offload")
 _OFFLOAD_BYTES_PER_SECOND = 12e9  # a PCIe 4 x16 link, one direction, in practice: where none was measured
 _GRID = 2.0**32  # prices per second
@@ -73,7 +77,9 @@ class BlockOption:
     ``spared``: how much less than the plain forward's peak the block's forward holds under the option (negative:
     more, outputs a policy keeps that the plain forward had freed).  ``resends``: the collectives its recomputation
     sends again (a tensor-parallel block's all-reduce), which the planner spends only where keeping what crossed
-    the wire does not fit (:func:`~remat.planning.solve.solver.plan_from_profile`).
+    the wire does not fit (:func:`~remat.planning.solve.solver.plan_from_profile`).  ``backward_held``: bytes the
+    block's own backward holds under the option beyond what it held without a plan (``checkpoint_partitioned``: the
+    shard beside the gathered input, and the gather's padding).
 
     Example:
         >>> BlockOption("checkpoint", kept=row.held_bytes, extra_time=row.checkpoint_time,
@@ -95,6 +101,7 @@ class BlockOption:
     copies: tuple[Copy, ...] = field(default=(), compare=False)
     spared: int = field(default=0, compare=False)
     resends: int = field(default=0, compare=False)
+    backward_held: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         # On a grid of 2**-32 s (a quarter nanosecond) the solver's sums of prices are exact: plans that
@@ -117,8 +124,12 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     if unknown:
         raise ValueError(f"remat.plan: unknown options {sorted(unknown)}; choose from {list(ALLOWED)}.")
     missing = unavailable_offloads(prof, allow)
+    others = _listed([o for o in ALLOWED if o not in OFFLOADS and (o != PARTITIONED or prof.partitioned)], "or")
+    if PARTITIONED in allow and not prof.partitioned and set(allow) <= {PARTITIONED, *missing}:
+        raise ValueError(f"remat.plan: {PARTITIONED} needs a tensor-parallel model profiled on every rank under "
+                         "torchrun, whose blocks take inputs of 1 MiB or more that every rank holds in full; this "
+                         f"profile has none: allow {others}.")
     if allow and set(allow) <= set(missing):  # a plan could only keep every block: not what was asked
-        others = _listed([o for o in ALLOWED if o not in OFFLOADS], "or")
         raise ValueError(f"remat.plan: {_unavailable_phrase(prof.device, missing)}: allow {others}, or profile the "
                          "model on a CUDA device.")
     on_accelerator = not prof.device.startswith(("cpu", "meta"))
@@ -147,6 +158,13 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
                                        max(0, row.recompute_bytes - row.matmul_spared_bytes), True,
                                        spared=row.matmul_forward_spared))
         choices += [o for o in selective.get(row.name, ()) if o.kept < row.own_bytes]
+        graph = prof.ops.blocks.get(row.name) if prof.ops is not None else None
+        kept = (keep_collectives(graph) if PARTITIONED in allow and row.name in prof.partitioned and graph is not None
+                else None)
+        if kept is not None and row.checkpoint_time != float("inf"):
+            base = selective_option(row, graph, kept) if kept else BlockOption(
+                "checkpoint", row.held_bytes, row.checkpoint_time, row.recompute_bytes, True, spared=row.forward_spared)
+            choices += partitioned_option(row, graph, base, prof.partitioned[row.name])
         if "checkpoint_offload" in allow and on_accelerator and row is not prof.rows[-1]:
             choices += _checkpoint_offload(prof, row, prof.rows[prof.rows.index(row) + 1])
         if "offload" in allow and on_accelerator:

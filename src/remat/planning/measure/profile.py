@@ -38,6 +38,7 @@ from ...policies.rules import is_collective
 from ..basics.ranks import local
 from ..basics.units import format_bytes
 from .estimates import rank_flop_formulas
+from .gathers import PartitionedInputs
 from .interconnect import CollectiveClock, Interconnect
 from .opgraph import OpNode, OpProfile, profile_ops
 from .prices import BlockPrices, forward_spared, matmuls, recompute_peak, sent_again
@@ -167,6 +168,8 @@ class StepProfile:
     # the step measured keeps the model's output alive until backward ends (the loop people write), or drops it
     # once the loss is computed: plans from this profile assume the same
     hold_output: bool = True
+    # per block of a tensor-parallel model: its inputs kept as one shard per rank (checkpoint_partitioned)
+    partitioned: dict[str, PartitionedInputs] = field(default_factory=dict)
 
     @property
     def peak_above_params(self) -> int:

@@ -195,7 +195,7 @@ class Accounting:
 
     def own_peak(self, q: int, option: BlockOption, own_bytes: int, freed: int, mask: int) -> int:
         """The peak of block q's backward under ``option`` (its recomputation included)."""
-        held_inputs = self.unsaved[q] if option.recomputes else 0
+        held_inputs = (self.unsaved[q] if option.recomputes else 0) + option.backward_held
         held, started = self.holds(q, option), self.takes[q]
         if option.name == "save_matmuls":  # its kept matmul outputs the recomputation does not rerun to are
             held, started = self.takes[q] | self.served[q], started | self.matmuls[q]  # gone when it starts
@@ -211,7 +211,7 @@ class Accounting:
         the plan a refusal names, to say what its peak is made of; :meth:`option_peak` is the cached maximum."""
         if option.span > 1:
             return self._segment_stretches(p, option, mask)
-        held_inputs = self.unsaved[p] if option.recomputes else 0
+        held_inputs = (self.unsaved[p] if option.recomputes else 0) + option.backward_held
         held, started = self.holds(p, option), self.takes[p]
         if option.name == "save_matmuls":
             held, started = self.takes[p] | self.served[p], started | self.matmuls[p]

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..basics.units import Budget
 from ..choices.chain import chain_options
 from ..choices.options import DEFAULT_ALLOW, BlockOption
+from ..choices.partitioned import PARTITIONED
 from ..measure.profile import StepProfile
 from .plan import Plan
 from .solver import cheapest, plan_from_profile, plan_of
@@ -97,7 +98,7 @@ def distinct_plans(plans: Iterable[Plan]) -> list[Plan]:
 
 
 def plan_for(prof: StepProfile, decisions: Mapping[str, str], segments: Sequence[Sequence[str]] = (),
-             allow: Sequence[str] = ("checkpoint", "save_matmuls", "selective", "offload")) -> Plan:
+             allow: Sequence[str] = ("checkpoint", "save_matmuls", "selective", "offload", PARTITIONED)) -> Plan:
     """The plan that takes ``decisions`` (block name to option name; blocks not named are kept) and checkpoints
     each run of ``segments`` as one region, priced by the cost model.  A name several options share
     (``selective``) means its first, the cheapest of the block's front points.

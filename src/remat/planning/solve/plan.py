@@ -36,6 +36,7 @@ from ..basics.kvcache import cache_off_in_training, restore_cache
 from ..basics.ranks import mesh_of, original_class, unwrapped
 from ..basics.units import format_bytes
 from ..basics.userline import user_stacklevel
+from ..choices.partitioned import PARTITIONED, partition_group, partitioned_wrapper
 
 __all__ = ["Plan", "PlanFileError", "describe_model"]
 
@@ -108,8 +109,12 @@ class Plan:
         """
         return sum(block.get("collectives", 0) for block in self.blocks.values())
 
-    def _installer(self, name: str, decision: str) -> tuple[Callable[[nn.Module], nn.Module], Any]:
-        """How to install ``name``'s decision, and what identifies it (to skip modules already installed)."""
+    def _installer(self, name: str, decision: str, group: Any = None) -> tuple[Callable[[nn.Module], nn.Module], Any]:
+        """How to install ``name``'s decision, and what identifies it (to skip modules already installed);
+        ``group``: the model's tensor-parallel group, where blocks keep their inputs as shards over it."""
+        if decision == PARTITIONED:  # its op-level policy keeps the collective outputs its recomputation reaches
+            policy = BlockPolicy.from_dict(self.policies[name]) if name in self.policies else None
+            return partitioned_wrapper(group, policy), (decision, self.policies.get(name))
         if name in self.policies:
             policy = BlockPolicy.from_dict(self.policies[name])
             if self.copies.get("ahead") and policy.mode == "keep" and policy.offloaded_bytes:  # back ahead by bytes
@@ -141,6 +146,7 @@ class Plan:
         """
         self.check(model)
         given, model = model, unwrapped(model)  # DDP's module: the names and classes are those of the model itself
+        group = partition_group(model, self.decisions)  # the model's own, found now: a group is no plain data
         _remove_drains(model, self.decisions)
         if any(decision != "keep" for decision in self.decisions.values()):
             cache_off_in_training(model)  # a checkpointed layer cannot rebuild a KV cache
@@ -158,7 +164,7 @@ class Plan:
             if decision == "keep" or name in in_segments:  # a segment's blocks run plainly inside its region
                 setattr(parent, child, inner)
                 continue
-            wrap, identity = self._installer(name, decision)
+            wrap, identity = self._installer(name, decision, group)
             if wrapped and getattr(current, "_remat_decision", None) == identity:
                 continue
             inner._remat_path = name
@@ -301,6 +307,9 @@ class Plan:
             ahead = self.copies["ahead"]
             summary += (f"; copies bounded where {len(self.copies['drains'])} blocks start and where blocks end, "
                         "all out before the loss" + (f", back up to {format_bytes(ahead)} ahead" if ahead else ""))
+        if PARTITIONED in counts:
+            summary += ("; checkpoint_partitioned blocks keep their inputs as one shard per tensor-parallel rank, "
+                        "all-gathered in backward")
         if self.collectives_rerun:
             rerun = ", ".join(f"{name} {block['collectives']}" for name, block in self.blocks.items()
                               if block.get("collectives"))
