@@ -276,6 +276,16 @@ def test_partitioned_inputs_train_bitwise_at_the_predicted_peak_with_one_all_gat
         assert "one shard per tensor-parallel rank, all-gathered in backward" in planned["printed"], planned["printed"]
 
 
+def test_partitioned_inputs_keep_the_all_reduce_the_recomputation_reaches(per_rank):
+    """With dropout after the down projection a block's recomputation reaches its all-reduce: the option keeps its
+    output beside the shards, so backward runs the unplanned all-reduces and one all-gather per block, bitwise."""
+    for rank in per_rank:
+        case = rank["partitioned"]["dropout"]
+        assert set(case["decisions"].values()) == {"checkpoint_partitioned"}, case
+        assert case["bitwise"] and case["rerun"] == 0, case
+        assert case["reduces"] == [n + 3 for n in case["unplanned_reduces"]], case
+
+
 def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(per_rank):
     """At the every-block plan's own peak no plan of the other options fits: the solver's plan keeps some block's
     input as shards (one all-gather more in backward for each), trains bitwise and peaks as predicted."""

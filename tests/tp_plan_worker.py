@@ -44,6 +44,9 @@ SEQUENCE_PARALLEL_CFG = GPTConfig(n_layers=4, d_model=64, n_heads=16, mlp_ratio=
 # dropout a recomputation stops before the down projection's all-reduce (whose 1 MiB buffer gloo's thread may let go
 # of late, which a rerun of it would bring into the prediction).
 PARTITIONED_CFG = GPTConfig(n_layers=3, d_model=64, n_heads=4, mlp_ratio=4, seq_len=64, vocab_size=16, dropout=0.0)
+# dropout after the down projection: the recomputation reaches its all-reduce, whose output the option keeps
+PARTITIONED_DROPOUT_CFG = GPTConfig(n_layers=3, d_model=64, n_heads=4, mlp_ratio=4, seq_len=64, vocab_size=16,
+                                    dropout=0.1)
 PARTITIONED_BATCH = 64
 STEPS = 3
 BUDGETS = ("90%", "50%")
@@ -218,9 +221,9 @@ def _split_output_layer(mesh) -> dict:
     return {"head": prof.head is not None, "chunks": plan.head_chunks, "decisions": plan.decisions}
 
 
-def _partitioned_gpt(mesh):
+def _partitioned_gpt(mesh, config=PARTITIONED_CFG):
     torch.manual_seed(0)
-    model = GPT(PARTITIONED_CFG)
+    model = GPT(config)
     if mesh is not None:
         for block in model.blocks:
             parallelize_module(block.mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -252,6 +255,14 @@ def _partitioned(mesh, folder) -> dict:
     except remat.InfeasibleBudget:
         result["without it"] = "refused"
     result["unsharded"] = _refusal(every, _partitioned_gpt(None))
+    # with dropout the recomputation reaches the all-reduce: the op-level policy beside the shards keeps its output
+    expected = _train("gpt", _partitioned_gpt(mesh, PARTITIONED_DROPOUT_CFG), batches)
+    prof = remat.profile(_partitioned_gpt(mesh, PARTITIONED_DROPOUT_CFG), tokens, loss_fn=lambda logits: (
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())), repeats=1, hold_output=False)
+    plan = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
+    got = _train("gpt", plan.apply(_partitioned_gpt(mesh, PARTITIONED_DROPOUT_CFG)), batches)
+    result["dropout"] = {"bitwise": _bitwise(expected, got), "reduces": got[3], "unplanned_reduces": expected[3],
+                         "rerun": plan.collectives_rerun, "decisions": plan.decisions}
     return result
 
 

@@ -283,8 +283,9 @@ class Plan:
                 counts[decision] = counts.get(decision, 0) + 1
         shown = {name: _run_name(starts[name]) if name in starts else name for name in self.decisions}
         width = max([len(n) for n in shown.values()] + [6])
-        lines = [f"{'module':<{width}}  {'decision':<12} {'kept':>10} {'extra ms':>9} {'ops rerun':>9}  keeps",
-                 "-" * (width + 60)]
+        named = max([len(d) for d in self.decisions.values()] + [12])
+        lines = [f"{'module':<{width}}  {'decision':<{named}} {'kept':>10} {'extra ms':>9} {'ops rerun':>9}  keeps",
+                 "-" * (width + named + 48)]
         for name, decision in self.decisions.items():
             if name in inside:
                 continue  # on its segment's row
@@ -295,7 +296,7 @@ class Plan:
             moved = (f"; offloads {format_bytes(block['offloaded'])}, copies "
                      f"+{block['copy_time'] * 1e3:.1f} ms unhidden" if block.get("offloaded") else "")
             run = f"{len(starts[name])} blocks as one region" if name in starts else ""
-            lines.append(f"{shown[name]:<{width}}  {decision:<12} {kept:>10} {extra:>9} {rerun:>9}  "
+            lines.append(f"{shown[name]:<{width}}  {decision:<{named}} {kept:>10} {extra:>9} {rerun:>9}  "
                          f"{run}{_kept_ops(self.policies.get(name))}{moved}".rstrip())
         summary = ", ".join(f"{count} {option}" + ("s" if option == "segment" and count > 1 else "")
                             for option, count in counts.items() if count)
