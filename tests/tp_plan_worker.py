@@ -71,9 +71,9 @@ class _CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _gpt(mesh):
+def _gpt(mesh, config=GPT_CFG):
     torch.manual_seed(0)
-    model = GPT(GPT_CFG)
+    model = GPT(config)
     if mesh is not None:
         for block in model.blocks:
             parallelize_module(block.mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -221,22 +221,13 @@ def _split_output_layer(mesh) -> dict:
     return {"head": prof.head is not None, "chunks": plan.head_chunks, "decisions": plan.decisions}
 
 
-def _partitioned_gpt(mesh, config=PARTITIONED_CFG):
-    torch.manual_seed(0)
-    model = GPT(config)
-    if mesh is not None:
-        for block in model.blocks:
-            parallelize_module(block.mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    return model
-
-
 def _partitioned(mesh, folder) -> dict:
     """Every block ``checkpoint_partitioned`` (priced by name, saved and loaded), and the plan at that plan's own
     peak: trained beside the TP model without a plan."""
     batches = _batches("partitioned")
-    expected = _train("gpt", _partitioned_gpt(mesh), batches)
+    expected = _train("gpt", _gpt(mesh, PARTITIONED_CFG), batches)
     tokens, targets = batches[0]
-    prof = remat.profile(_partitioned_gpt(mesh), tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+    prof = remat.profile(_gpt(mesh, PARTITIONED_CFG), tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten()), repeats=1, hold_output=False)
     every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
     path = f"{folder}/partitioned-{dist.get_rank()}.json"
@@ -245,7 +236,7 @@ def _partitioned(mesh, folder) -> dict:
     result = {"partitioned": {name: entry.shard for name, entry in prof.partitioned.items()},
               "unplanned": expected[2], "unplanned_reduces": expected[3]}
     for name, plan in plans.items():
-        got = _train("gpt", plan.apply(_partitioned_gpt(mesh)), batches)
+        got = _train("gpt", plan.apply(_gpt(mesh, PARTITIONED_CFG)), batches)
         result[name] = {"decisions": plan.decisions, "predicted_peak": plan.predicted_peak, "measured": got[2],
                         "bitwise": _bitwise(expected, got), "reduces": got[3], "rerun": plan.collectives_rerun,
                         "printed": str(plan)}
@@ -254,13 +245,13 @@ def _partitioned(mesh, folder) -> dict:
         result["without it"] = prof.plan(every.predicted_peak, allow=others).decisions
     except remat.InfeasibleBudget:
         result["without it"] = "refused"
-    result["unsharded"] = _refusal(every, _partitioned_gpt(None))
+    result["unsharded"] = _refusal(every, _gpt(None, PARTITIONED_CFG))
     # with dropout the recomputation reaches the all-reduce: the op-level policy beside the shards keeps its output
-    expected = _train("gpt", _partitioned_gpt(mesh, PARTITIONED_DROPOUT_CFG), batches)
-    prof = remat.profile(_partitioned_gpt(mesh, PARTITIONED_DROPOUT_CFG), tokens, loss_fn=lambda logits: (
+    expected = _train("gpt", _gpt(mesh, PARTITIONED_DROPOUT_CFG), batches)
+    prof = remat.profile(_gpt(mesh, PARTITIONED_DROPOUT_CFG), tokens, loss_fn=lambda logits: (
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())), repeats=1, hold_output=False)
     plan = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
-    got = _train("gpt", plan.apply(_partitioned_gpt(mesh, PARTITIONED_DROPOUT_CFG)), batches)
+    got = _train("gpt", plan.apply(_gpt(mesh, PARTITIONED_DROPOUT_CFG)), batches)
     result["dropout"] = {"bitwise": _bitwise(expected, got), "reduces": got[3], "unplanned_reduces": expected[3],
                          "rerun": plan.collectives_rerun, "decisions": plan.decisions}
     return result
