@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 import remat
+from remat.planning.choices.options import selective_option
 from remat.planning.measure.interconnect import DEFAULT_BANDWIDTH, DEFAULT_LATENCY, Interconnect, bus_factor
+from remat.planning.measure.prices import BlockPrices
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -74,7 +76,11 @@ def test_a_tensor_parallel_gpt_on_meta_pays_its_all_reduces_over_the_interconnec
         assert reduce.kernel_time == pytest.approx(wire, rel=1e-12)
         assert row.forward_time == pytest.approx(row.matmul_time + wire, rel=1e-12)  # matmul_time: its FLOPs
         assert row.checkpoint_time == pytest.approx(row.matmul_time + wire, rel=1e-12)
-        assert row.save_matmuls_time == 0.0  # keeps the matmuls' and the all-reduce's outputs: reruns nothing priced
+        # keeps the matmuls' and the all-reduce's outputs, reruns the rest: priced as the selective point keeping them
+        graph = prof.ops.blocks[row.name]
+        kept = selective_option(row, graph, BlockPrices(graph).matmul_nodes())
+        assert row.save_matmuls_time == pytest.approx(kept.extra_time, abs=1e-9)  # options: a 2**-32 s grid
+        assert 0 < row.save_matmuls_time
     every = prof.price(dict.fromkeys([row.name for row in prof.rows], "checkpoint"))
     assert every.collectives_rerun == 4
     assert every.predicted_extra_time == pytest.approx(sum(row.checkpoint_time for row in prof.rows), rel=1e-4)

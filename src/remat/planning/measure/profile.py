@@ -260,6 +260,11 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
             row.forward_time += rerun + tail
             row.checkpoint_time += rerun
             row.tail_time += tail  # a block inside a region reruns its tail, collectives included
+            # save_matmuls reruns what is not a matmul: priced on the checkpoint's scale, as the selective points are
+            prices = BlockPrices(graph)
+            if prices.checkpoint_time > 0 and row.save_matmuls_time != float("inf"):
+                row.save_matmuls_time = row.checkpoint_time * (prices.time("selective", prices.matmul_nodes())
+                                                               / prices.checkpoint_time)
         row.writes_input = graph is not None and graph.writes_input
         if graph is not None:
             # save_matmuls serves its recomputation the kept matmul outputs it reruns to
@@ -391,8 +396,8 @@ def _profile_on_meta(model: nn.Module, step: _Step, inputs: list[torch.Tensor],
         block_flops = sum(counts.get(f"{type(model).__name__}.{name}", {}).values()) / 3
         forward_time.append(block_flops / throughput)
     total = sum(counts.get("Global", {}).values())
-    # FLOPs are counted for matmul-like ops only: all of a block's time is matmul time
-    # save_matmuls keeps the matmuls' and the collectives' outputs: it reruns nothing priced
+    # FLOPs are counted for matmul-like ops only: all of a block's time is matmul time (save_matmuls is priced
+    # from the op graphs, below)
     prof = _assemble(model, blocks, timeline, probe, meter, grad_bytes, forward_time, forward_time, forward_time,
                      [0.0] * len(blocks), total / throughput + wire.seconds, "meta")
     prof.estimated_time = True
