@@ -371,3 +371,16 @@ def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_l
         "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun, "
         "whose blocks take inputs of 1 MiB or more that every rank holds in full; this profile has none: allow "
         "checkpoint, save_matmuls or selective.")
+
+
+def test_print_names_the_blocks_that_send_collectives_again_or_their_count_in_a_deep_model():
+    def printed(counts):
+        names = [f"blocks.{i}" for i in range(len(counts))]
+        plan = remat.Plan(decisions=dict.fromkeys(names, "checkpoint"), predicted_peak=10, predicted_extra_time=0.0,
+                          budget=10, baseline_peak=20, param_bytes=0,
+                          blocks={n: {"kept": 1, "extra_time": 0.0, "collectives": c} for n, c in zip(names, counts)})
+        return str(plan)
+
+    assert "sends 4 collectives again per step (blocks.0 1, blocks.1 1, blocks.2 2)," in printed([1, 1, 2])
+    assert "sends 32 collectives again per step (1 in each of 32 blocks)," in printed([1] * 32)
+    assert "(blocks.0 1, blocks.1 2, blocks.2 1, blocks.3 1, and 2 more blocks)," in printed([1, 2, 1, 1, 1, 1])

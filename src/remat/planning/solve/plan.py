@@ -312,8 +312,12 @@ class Plan:
             summary += ("; checkpoint_partitioned blocks keep their inputs as one shard per tensor-parallel rank, "
                         "all-gathered in backward")
         if self.collectives_rerun:
-            rerun = ", ".join(f"{name} {block['collectives']}" for name, block in self.blocks.items()
-                              if block.get("collectives"))
+            sending = {name: block["collectives"] for name, block in self.blocks.items() if block.get("collectives")}
+            rerun = ", ".join(f"{name} {count}" for name, count in list(sending.items())[:_LISTED])
+            if len(sending) > _LISTED:  # a deep model's every block: its count, not a line of names
+                counts = set(sending.values())
+                rerun = (f"{counts.pop()} in each of {len(sending)} blocks" if len(counts) == 1 else
+                         f"{rerun}, and {len(sending) - _LISTED} more blocks")
             why = f" ({self.meta['collectives']})" if "collectives" in self.meta else ""
             summary += (f"; recomputation sends {self.collectives_rerun} collectives again per step ({rerun}), "
                         f"communication priced with the recomputation{why}")
@@ -330,6 +334,8 @@ class Plan:
         )
         return "\n".join(lines)
 
+
+_LISTED = 4  # blocks print(plan) names in its line on collectives sent again
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "decisions": dict, "predicted_peak": int, "predicted_extra_time": (int, float), "budget": int,
