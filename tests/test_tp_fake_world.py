@@ -105,3 +105,31 @@ def test_a_collectives_wrapper_for_autograd_holds_no_bytes_on_meta():
         assert wrap.out_bytes == 0 and wrap.index not in graph.keepable
         after = graph.nodes[wrap.index + 1:]  # what reads the wrapper's output reads the collective's
         assert any(reduce.index in n.needs for n in after) and not any(wrap.index in n.needs for n in after)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "adamw-fused"])
+def test_a_saved_plan_of_segments_the_wire_point_and_save_matmuls_checks_bitwise(optimizer, tmp_path):
+    """``remat.check_plan`` on the tensor-parallel model (its parameters DTensors and plain tensors, which torch's
+    foreach and fused AdamW take only in separate groups), from the plan saved and loaded: every step's gradients
+    bitwise equal to the unplanned model's (the fake world's collectives leave their inputs as they are: the same
+    values in both), its peak as predicted."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    x = torch.randn(16, 64, WIDTH)
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        prof = remat.profile(_model(mesh), x, loss_fn=_loss, repeats=1, hold_output=False)
+        graph = prof.ops.blocks["2"]
+        options = chain_options(prof)
+        segment = next(o for o in options[0] if o.name == "segment" and o.span == 2)
+        matmuls = next(o for o in options[3] if o.name == "save_matmuls")
+        plan = plan_of(prof, [(0, segment), (2, selective_option(prof.rows[2], graph, wire_nodes(graph))),
+                              (3, matmuls)], prof.peak_bytes)
+        plan.meta = {**prof.model_meta, **plan.meta}
+        plan.save(tmp_path / "plan.json")
+        loaded = remat.Plan.load(tmp_path / "plan.json")
+        assert str(loaded) == str(plan) and loaded.collectives_rerun == plan.collectives_rerun == 2
+        checked = remat.check_plan(lambda: _model(mesh), tmp_path / "plan.json", x, loss_fn=_loss, steps=2,
+                                   optimizer=optimizer)
+    assert all(step.grads_equal for step in checked.rows), str(checked)
+    assert checked.holds, str(checked)
