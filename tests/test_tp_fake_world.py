@@ -133,3 +133,29 @@ def test_a_saved_plan_of_segments_the_wire_point_and_save_matmuls_checks_bitwise
                                    optimizer=optimizer)
     assert all(step.grads_equal for step in checked.rows), str(checked)
     assert checked.holds, str(checked)
+
+
+@pytest.mark.parametrize("hold_output", [False, True])
+def test_on_meta_the_plans_peak_where_the_fake_worlds_real_tensors_do(hold_output):
+    """The same tensor-parallel model profiled on the meta device and on real tensors, both in a fake world of two
+    ranks: the step's peak, and those of plans checkpointing, keeping what crossed the wire, save_matmuls and a
+    segment, to the byte."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    profiles = []
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        for device in ("cpu", "meta"):
+            with torch.device(device):
+                model, x = _model(mesh), torch.randn(16, 64, WIDTH)
+            profiles.append(remat.profile(model, x, loss_fn=_loss, repeats=1, hold_output=hold_output,
+                                          device="meta" if device == "meta" else None))
+    peaks = []
+    for prof in profiles:
+        graphs = [prof.ops.blocks[row.name] for row in prof.rows]
+        wire = plan_of(prof, [(i, selective_option(row, g, wire_nodes(g)))
+                              for i, (row, g) in enumerate(zip(prof.rows, graphs))], prof.peak_bytes)
+        named = [prof.price({"0": "checkpoint", "1": "save_matmuls", "3": "checkpoint"}),
+                 prof.price({}, segments=[["1", "2"]])]
+        peaks.append([prof.peak_bytes, wire.predicted_peak, *(plan.predicted_peak for plan in named)])
+    assert peaks[0] == peaks[1]
