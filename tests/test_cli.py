@@ -236,3 +236,22 @@ def test_a_stock_hugging_face_model_profiles_on_the_meta_device(tmp_path):
     assert "use_cache=True is incompatible with checkpointing in training" in warned[0]
     assert "the model returned no loss (no labels among its inputs)" in warned[1]
     assert "return labels from --inputs" in warned[1]
+
+
+def test_the_plan_command_records_the_op_graphs_partitioned_inputs_are_priced_from(user_module, monkeypatch):
+    """``checkpoint_partitioned`` is sized from a block's op graph (the collectives its recomputation reaches):
+    without the graphs no block would have the option."""
+    import remat.planning.workflow as workflow
+
+    asked, profile = [], workflow.profile
+
+    def recorded(*args, **kwargs):
+        asked.append(kwargs["ops"])
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(workflow, "profile", recorded)
+    for allow in (("checkpoint", "checkpoint_partitioned"), ("checkpoint", "selective"), ("checkpoint",)):
+        out = remat_cli("plan", "usermodel:build", "--inputs", "usermodel:batch", "--budget", "85%", "--allow",
+                        *allow, cwd=user_module)
+        assert out.returncode == 0, out.stderr
+    assert asked == [True, True, False]

@@ -498,3 +498,38 @@ def test_plans_that_offload_blocks_are_optimal_with_one_window_for_the_step(seed
             continue
         assert got.predicted_peak <= budget
         assert got.predicted_extra_time == pytest.approx(min(costs), abs=1e-12)
+
+
+def test_the_alternatives_begin_with_the_plan_that_keeps_what_crossed_the_wire():
+    """Every block's checkpoint sends one collective again, save_matmuls none: where a plan that sends none fits,
+    ``prof.alternatives`` lists such plans first, its first the one ``prof.plan`` makes, however much cheaper a
+    resending runner-up is priced on one rank."""
+    from dataclasses import replace
+
+    base = _synthetic(6, seed=2)
+    prof = replace(base, rows=[replace(row, collectives=1, save_matmuls_time=2 * row.checkpoint_time,
+                                       matmul_bytes=row.own_bytes // 4) for row in base.rows])
+    for fraction in (0.9, 0.8):
+        plan, alternatives = prof.plan(fraction), prof.alternatives(fraction, count=5)
+        assert plan.collectives_rerun == 0 and any(p.collectives_rerun for p in alternatives)
+        assert (alternatives[0].decisions, alternatives[0].predicted_extra_time) == (
+            plan.decisions, plan.predicted_extra_time)
+        resending = [p.collectives_rerun > 0 for p in alternatives]
+        assert resending == sorted(resending), resending
+
+
+def test_the_front_weighs_a_rule_that_sends_collectives_again_apart():
+    """A rule checkpointing blocks whose recomputation sends a collective again is cheaper on one rank's prices than
+    the plan that keeps what crossed the wire at its peak: the front says what each point sends again, and neither
+    the plans it shows nor ``dominated()`` weigh a resending point against one that sends fewer."""
+    from dataclasses import replace
+
+    base = _synthetic(6, seed=2)
+    prof = replace(base, rows=[replace(row, collectives=1, save_matmuls_time=2 * row.checkpoint_time,
+                                       matmul_bytes=row.own_bytes // 4) for row in base.rows])
+    front = prof.front(budgets=(0.9, 0.8))
+    assert front.dominated() == []
+    assert [r.collectives for r in front.rules] == [r.decisions.count("checkpoint") for r in front.rules]
+    quiet = {prof.plan(fraction).predicted_peak for fraction in (0.9, 0.8)}
+    assert quiet <= {p.peak for p in front.plans if p.collectives == 0}
+    assert "sent again" in str(front)

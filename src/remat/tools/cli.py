@@ -30,6 +30,7 @@ _ALLOWED = ("checkpoint", "save_matmuls", "selective", "offload", "checkpoint_of
 _ALLOW = ("checkpoint", "save_matmuls", "selective", "checkpoint_offload", "keep_offload", "checkpoint_partitioned")
 """``remat.planning.choices.options.ALLOWED`` and ``DEFAULT_ALLOW``, written out so that parsing the arguments needs
 no torch (test_cli checks that they agree)."""
+_FROM_GRAPHS = {"selective", "checkpoint_partitioned"}  # options drawn from the op graphs, as remat.plan asks them
 
 
 class UserError(Exception):
@@ -221,7 +222,7 @@ def _profile_of(args: argparse.Namespace):
     with _running_the_model(args):
         return profile(model, *inputs, modules=args.modules, device=getattr(args, "device", None),
                        fresh_timings=getattr(args, "fresh_timings", False), hold_output=not args.drop_output,
-                       ops="selective" in getattr(args, "allow", ()), **kwargs)
+                       ops=bool(_FROM_GRAPHS & set(getattr(args, "allow", ()))), **kwargs)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,9 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor]) -> torch.optim.Opt
 
     ``adamw``: AdamW, lr 1e-3, ``foreach=True`` (torch's default on accelerators; on the CPU its default is
     the loop over parameters); ``sgd``: SGD, lr 1e-2, momentum 0.9 (its momentum buffers are state, as
-    AdamW's moments are); ``adamw-fused``: AdamW, lr 1e-3, with its fused kernel.
+    AdamW's moments are); ``adamw-fused``: AdamW, lr 1e-3, with its fused kernel.  A tensor-parallel model's
+    DTensor parameters and its plain ones go in two groups of the same settings: torch's foreach and fused
+    kernels refuse a list that mixes them, and each parameter's update is the same in either grouping.
 
     Example:
         >>> opt = make_optimizer("adamw", model.parameters())
@@ -38,7 +40,7 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor]) -> torch.optim.Opt
     """
     import torch
 
-    params = list(params)
+    params = _groups(list(params))
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, foreach=True)
     if name == "sgd":
@@ -46,3 +48,17 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor]) -> torch.optim.Opt
     if name == "adamw-fused":
         return torch.optim.AdamW(params, lr=1e-3, fused=True)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _groups(params: list[torch.Tensor]) -> list[torch.Tensor] | list[dict[str, list[torch.Tensor]]]:
+    """``params``, or where DTensors and plain tensors mix, one group of each (in the order given)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():  # no DTensor in this build
+        return params
+    from torch.distributed.tensor import DTensor
+
+    distributed = [p for p in params if isinstance(p, DTensor)]
+    if not distributed or len(distributed) == len(params):
+        return params
+    return [{"params": distributed}, {"params": [p for p in params if not isinstance(p, DTensor)]}]

@@ -190,6 +190,12 @@ class OpProfile:
         return list(seen.values())
 
 
+# A functional collective's result wrapped for autograd (tensor parallel's row-wise layers): it returns the tensor it
+# is given (an AsyncCollectiveTensor around it; on the meta device a new empty tensor), so it holds no bytes of its
+# own, though its schema says nothing of aliasing.
+_WRAPS_COLLECTIVE = "_c10d_functional._wrap_tensor_autograd.default"  # registered where collectives are imported
+
+
 @functools.cache
 def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...], bool]:
     """(kind, random, arguments it writes in place as (position, name), kept by value if kept)."""
@@ -197,7 +203,8 @@ def _op_info(op: Any) -> tuple[str, bool, tuple[tuple[int, str], ...], bool]:
         return "ignored", False, (), False
     schema = op._schema
     # Same rule as the selective-checkpoint recorder: an aliasing return makes an op a view or in-place op.
-    kind = "alias" if any(r.alias_info is not None for r in schema.returns) else "compute"
+    aliases = any(r.alias_info is not None for r in schema.returns) or str(op) == _WRAPS_COLLECTIVE
+    kind = "alias" if aliases else "compute"
     random = torch.Tag.nondeterministic_seeded in op.tags
     written = tuple((i, a.name) for i, a in enumerate(schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
@@ -314,6 +321,10 @@ class _Recorder(TorchDispatchMode):
                 elif where is not None:
                     record.writes_input = True
         outputs = _tensors(out)
+        if str(func) == _WRAPS_COLLECTIVE:  # the collective's result itself, though its storage reads as another's
+            source = record.owner.get(_tensors(args)[0].untyped_storage())
+            for t in outputs if source is not None else ():
+                record.owner.setdefault(t.untyped_storage(), source)
         if kind == "compute":
             for t in outputs:
                 storage = t.untyped_storage()

@@ -37,8 +37,9 @@ _SEARCHED = 16  # placements searched per plan asked for at most: alike blocks' 
 
 def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int = 5,
                allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
-    """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first; the first is
-    ``prof.plan(budget)``.  Raises :class:`~remat.planning.solve.solver.InfeasibleBudget` where none fits.
+    """Up to ``count`` distinct plans that fit ``budget``, cheapest predicted first (those that send collectives
+    again after those that send none); the first is ``prof.plan(budget)``.  Raises
+    :class:`~remat.planning.solve.solver.InfeasibleBudget` where none fits.
 
     Example:
         >>> [p.predicted_extra_time for p in plans_near(prof, "50%", count=3)]   # ascending
@@ -73,7 +74,9 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
         frontier = sorted(runners_up, key=_extra_time)
     others = [plan_of(prof, placed, first.budget) for placed in found.values()]
     # the solver's first may be a rule that equals one found here
-    return distinct_plans([first, *sorted(others, key=lambda p: (p.predicted_extra_time, p.predicted_peak))])[:count]
+    # as the solver: plans that send collectives again after those that send none
+    return distinct_plans([first, *sorted(others, key=lambda p: (p.collectives_rerun > 0, p.predicted_extra_time,
+                                                                  p.predicted_peak))])[:count]
 
 
 def distinct_plans(plans: Iterable[Plan]) -> list[Plan]:

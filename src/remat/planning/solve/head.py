@@ -196,13 +196,16 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
 def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
                            count: int, allow: Sequence[str] = DEFAULT_ALLOW) -> list[Plan]:
     """Up to ``count`` distinct plans that fit ``budget``, without and with the chunked head, cheapest predicted
-    first (:func:`~remat.planning.solve.alternatives.plans_near` on each timeline).
+    first among those that send no collective again, then the others
+    (:func:`~remat.planning.solve.alternatives.plans_near` on each timeline).
 
     Example:
         >>> plans = alternatives_with_head(prof, prof.head, "20%", count=3)
     """
     found = _on_both(prof, head, budget, lambda profile, whole: plans_near(profile, whole, count, allow))
-    return distinct_plans(sorted(found, key=lambda made: made.predicted_extra_time))[:count]
+    # as plan_with_head: those that send no collective again first
+    return distinct_plans(sorted(found, key=lambda made: (made.collectives_rerun > 0, made.predicted_extra_time))
+                          )[:count]
 
 
 def price_with_head(prof: StepProfile, head: HeadOption | None, decisions: Mapping[str, str],

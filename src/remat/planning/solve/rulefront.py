@@ -29,7 +29,9 @@ __all__ = ["Front", "TradePoint", "front"]
 
 @dataclass(frozen=True)
 class TradePoint:
-    """One point: who it is (``remat`` or a rule's name), the whole-step peak in bytes and the extra seconds.
+    """One point: who it is (``remat`` or a rule's name), the whole-step peak in bytes and the extra seconds;
+    ``collectives``: how many its recomputations send again per step (a tensor-parallel block's all-reduce), a cost
+    that one rank's prices do not show (every rank waits there on the others).
 
     Example:
         >>> TradePoint("every-k 12 of 12", 3_683_697_664, 0.0257).label
@@ -41,6 +43,7 @@ class TradePoint:
     extra_time: float
     decisions: tuple[str, ...] = ()
     head_chunks: int = 0
+    collectives: int = 0
 
 
 @dataclass
@@ -59,18 +62,20 @@ class Front:
     step_time: float
 
     def dominated(self) -> list[tuple[TradePoint, TradePoint]]:
-        """(plan, rule) pairs where the rule is at most the plan on both axes and below it on one: none.
+        """(plan, rule) pairs where the rule is at most the plan on both axes and below it on one, sending no more
+        collectives again: none.
 
         Example:
             >>> prof.front().dominated()
             []
         """
-        return [(p, r) for p in self.plans for r in self.rules if r.peak <= p.peak and r.extra_time <= p.extra_time
-                and (r.peak, r.extra_time) != (p.peak, p.extra_time)]
+        return [(p, r) for p in self.plans for r in self.rules if _beats(r, p)]
 
     def __str__(self) -> str:
         above = self.baseline_peak - self.fixed_bytes
-        header = f"{'':<7} {'':<20} {'peak above params':>18} {'of plain':>9} {'extra':>10} {'step':>7}"
+        resent = any(p.collectives for p in (*self.plans, *self.rules))
+        header = (f"{'':<7} {'':<20} {'peak above params':>18} {'of plain':>9} {'extra':>10} {'step':>7}"
+                  + (f" {'sent again':>10}" if resent else ""))
         lines = [header, "-" * len(header)]
         for kind, points in (("remat", self.plans), ("rule", self.rules)):
             for point in points:
@@ -79,7 +84,8 @@ class Front:
                 name = point.label if kind == "rule" else "plan" + (
                     f", head in {point.head_chunks}" if point.head_chunks else "")
                 lines.append(f"{kind:<7} {name:<20} {format_bytes(point.peak - self.fixed_bytes):>18} "
-                             f"{share:>9.3f} {point.extra_time * 1e3:>8.2f}ms {step:>7}")
+                             f"{share:>9.3f} {point.extra_time * 1e3:>8.2f}ms {step:>7}"
+                             + (f" {point.collectives:>10}" if resent else ""))
         return "\n".join(lines)
 
 
@@ -96,7 +102,8 @@ def front(prof: StepProfile, budgets: Sequence[object] = (), allow: Sequence[str
     points = []
     for rule in rules(options):
         peak, extra = predict(prof, rule.chosen)
-        points.append(TradePoint(rule.name, peak, extra, tuple(o.name for o in rule.chosen)))
+        points.append(TradePoint(rule.name, peak, extra, tuple(o.name for o in rule.chosen),
+                                 collectives=sum(o.resends for o in rule.chosen)))
     peaks = {p.peak for p in points}
     if head is not None:
         peaks |= {predict(head.profile, rule.chosen)[0] for rule in rules(chain_options(head.profile, allow))}
@@ -108,10 +115,15 @@ def front(prof: StepProfile, budgets: Sequence[object] = (), allow: Sequence[str
         except InfeasibleBudget:  # a budget asked below what any plan reaches
             continue
         point = TradePoint("remat", plan.predicted_peak, plan.predicted_extra_time, tuple(plan.decisions.values()),
-                           plan.head_chunks)
+                           plan.head_chunks, plan.collectives_rerun)
         plans[(point.peak, point.extra_time)] = point
-    kept = [p for p in plans.values()
-            if not any(q.peak <= p.peak and q.extra_time < p.extra_time
-                       or q.peak < p.peak and q.extra_time <= p.extra_time for q in plans.values())]
+    kept = [p for p in plans.values() if not any(_beats(q, p) for q in plans.values())]
     return Front(sorted(kept, key=lambda p: p.peak), sorted(points, key=lambda p: p.peak), prof.peak_bytes,
                  prof.param_bytes + prof.buffer_bytes, prof.step_time)
+
+
+def _beats(q: TradePoint, p: TradePoint) -> bool:
+    """``q`` at most ``p`` on both axes and below it on one, sending no more collectives again (a plan that keeps
+    what crossed the wire is not weighed against a cheaper one that sends it again: the solver takes the first)."""
+    return (q.peak <= p.peak and q.extra_time <= p.extra_time and (q.peak, q.extra_time) != (p.peak, p.extra_time)
+            and q.collectives <= p.collectives)
