@@ -301,6 +301,43 @@ def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(pe
             assert abs(measured - planned["predicted_peak"]) <= 0.03 * planned["predicted_peak"], planned
 
 
+def _meta_partitioned_profile() -> remat.Profile:
+    """The two-rank run's GPT with 1 MiB block inputs, built on the meta device in a fake world of two ranks."""
+    import tp_plan_worker as worker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tokens = torch.empty(worker.PARTITIONED_BATCH, worker.PARTITIONED_CFG.seq_len, dtype=torch.long, device="meta")
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            built = worker._gpt(mesh, worker.PARTITIONED_CFG)
+        return remat.profile(built, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+
+
+def test_meta_in_a_fake_world_of_two_prices_partitioned_inputs_over_the_interconnect(per_rank):
+    """On the meta device the same rule finds each block's 1 MiB input, and its all-gather is priced over the modelled
+    interconnect (10 us + half of the gathered 1 MiB over 200 GB/s); every block ``checkpoint_partitioned`` is
+    predicted at the real two-rank run's predicted peak, and within 1.5% of each rank's measured one; a plan at that
+    peak takes the option."""
+    from remat.planning.measure.gathers import PartitionedInputs
+    from remat.planning.measure.interconnect import Interconnect
+
+    prof = _meta_partitioned_profile()
+    gather = Interconnect().seconds("all_gather_into_tensor", 1 << 20, 2)
+    assert gather == pytest.approx(10e-6 + (512 << 10) / 200e9)
+    assert prof.partitioned == {f"blocks.{i}": PartitionedInputs(whole=1 << 20, shard=512 << 10, gathered=1 << 20,
+                                                                 gather_time=gather, world=2) for i in range(3)}
+    every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
+    checkpointed = prof.price({row.name: "checkpoint" for row in prof.rows})  # no dropout: no collective kept
+    assert every.predicted_extra_time - checkpointed.predicted_extra_time == pytest.approx(3 * gather, rel=1e-4)
+    for rank in per_rank:
+        real = rank["partitioned"]["every block"]
+        assert every.predicted_peak == real["predicted_peak"], (every.predicted_peak, real)
+        assert all(abs(m - every.predicted_peak) <= 0.015 * m for m in real["measured"]), (every.predicted_peak, real)
+    assert "checkpoint_partitioned" in prof.plan(every.predicted_peak).decisions.values()
+
+
 def test_a_partitioned_plan_refuses_a_model_without_a_mesh_in_one_line(per_rank):
     for rank in per_rank:
         refused = rank["partitioned"]["unsharded"]
@@ -368,6 +405,6 @@ def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_l
     with pytest.raises(ValueError) as refused:
         prof.plan("60%", allow=("checkpoint_partitioned",))
     assert str(refused.value) == (
-        "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun, "
-        "whose blocks take inputs of 1 MiB or more that every rank holds in full; this profile has none: allow "
-        "checkpoint, save_matmuls or selective.")
+        "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun (or on "
+        "the meta device in remat.fake_world), whose blocks take inputs of 1 MiB or more that every rank holds in "
+        "full; this profile has none: allow checkpoint, save_matmuls or selective.")

@@ -14,8 +14,11 @@ written, kept ones are checked against one all-gather timed now, ``fresh_timings
 rank runs that forward and those all-gathers in the same order (they are collectives), as the blocks' timed runs
 are; rank 0 reads the file and its times decide on every rank, so that all plan alike.  On the CPU an all-gather
 is timed on the wall clock: its time is waiting on the other ranks, which a thread's CPU time does not count.
-Where no process group runs the model's mesh (one process, a fake world, the meta device) nothing is measured
-and no block has the option.
+On the meta device (a :func:`remat.fake_world` of N ranks) nothing runs: the same rule finds the inputs on meta
+tensors, and an all-gather costs what crossing the interconnect costs
+(:meth:`~remat.planning.measure.interconnect.Interconnect.seconds`: ``(n - 1) / n`` of the gathered tensor's bytes
+over the link, plus its latency).  Where no process group runs the model's mesh off the meta device (one process,
+a fake world on real tensors) nothing is measured and no block has the option.
 
 Example:
     >>> measured.partitioned = partitioned_inputs(model, blocks, lambda: model(tokens), Ranks.of(model))
@@ -38,6 +41,7 @@ from ...engine.replay import tensor_leaves
 from ...policies.partition import shard_bytes
 from ..basics.ranks import Ranks, reshard, tensor_parallel_group
 from ..basics.userline import user_stacklevel
+from .interconnect import Interconnect
 from .timecache import StaleTimings, TimingCache, stale_slack, timings_cache, unsteady_limit
 from .timing import Clock
 
@@ -66,17 +70,20 @@ class PartitionedInputs:
 
 
 def partitioned_inputs(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], forward: Callable[[], Any],
-                       ranks: Ranks) -> dict[str, PartitionedInputs]:
+                       ranks: Ranks, interconnect: Interconnect | None = None) -> dict[str, PartitionedInputs]:
     """Per block of ``blocks`` whose inputs :class:`~remat.policies.partition.PartitionInputs` would shard over
-    ``model``'s tensor-parallel group: their bytes and the measured time of gathering them back.  Runs
-    ``forward()`` once (without grad) on every rank, then the all-gathers; empty where ``ranks`` do not profile
-    together on a mesh, on the meta device, or where the mesh's group is not decidable (more than 1-D).
+    ``model``'s tensor-parallel group: their bytes and the time of gathering them back.  Runs ``forward()`` once
+    (without grad) on every rank, then the all-gathers, timed (kept in the timings file); on the meta device (a
+    :func:`remat.fake_world`) the all-gathers are priced over ``interconnect`` (default:
+    :class:`~remat.planning.measure.interconnect.Interconnect`'s).  Empty where ``ranks`` do not profile together
+    on a mesh off the meta device, or where the mesh's group is not decidable.
 
     Example:
         >>> partitioned_inputs(model, [("blocks.0", model.blocks[0])], lambda: model(tokens), Ranks.of(model))
         {'blocks.0': PartitionedInputs(whole=1048576, shard=524288, ...)}
     """
-    if not ranks.together or any(p.device.type == "meta" for p in model.parameters()):
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if not (ranks.together or on_meta):
         return {}
     try:
         group = tensor_parallel_group(model)
@@ -88,8 +95,12 @@ def partitioned_inputs(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]
 
     world = dist.get_world_size(group)
     sizes = ranks.same(_shard_sizes(model, blocks, forward, world))  # every rank times the same all-gathers
-    device = next(model.parameters()).device
-    seconds = _gather_times({shard for block in sizes.values() for shard, _ in block}, group, world, device, ranks)
+    shards = {shard for block in sizes.values() for shard, _ in block}
+    if on_meta:  # nothing to time: what crossing the interconnect costs, the whole gathered tensor's bus bytes
+        link = interconnect or Interconnect()
+        seconds = {shard: link.seconds("all_gather_into_tensor", shard * world, world) for shard in shards}
+    else:
+        seconds = _gather_times(shards, group, world, next(model.parameters()).device, ranks)
     found = {}
     for name, block in sizes.items():
         shard = sum(nbytes for nbytes, _ in block)
