@@ -381,6 +381,65 @@ def test_the_group_of_a_mesh_of_more_dimensions_is_refused_in_one_line():
         assert ranks.tensor_parallel_group(flat) is one.get_group()
 
 
+def test_on_a_whole_2d_mesh_the_group_is_the_dimension_fsdp2_leaves_that_shards_parameters():
+    """Parameters distributed over a whole (dp, tp) mesh and sharded by FSDP2 over ``dp`` (``dp_mesh_dims``): the
+    inputs are gathered over ``tp``, the one dimension left on which a parameter is sharded; FSDP2 over both, or
+    over ``dp`` with every parameter replicated over ``tp``, leaves it undecided: refused in one line."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def built(mesh, tp_placement, data_parallel):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+        for layer in model:
+            for name in ("weight", "bias"):
+                whole = getattr(layer, name).detach()
+                setattr(layer, name, nn.Parameter(distribute_tensor(whole, mesh, [Replicate(), tp_placement])))
+        return fully_shard(model, mesh=mesh, dp_mesh_dims=data_parallel)
+
+    with remat.fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = built(mesh, Shard(0), DataParallelMeshDims(shard="dp"))
+        assert ranks.tensor_parallel_group(model) is mesh.get_group("tp")
+        for undecided in (built(mesh, Replicate(), DataParallelMeshDims(shard=("dp", "tp"))),
+                          built(mesh, Replicate(), DataParallelMeshDims(shard="dp"))):
+            with pytest.raises(ValueError, match=r"^remat: Sequential's tensor-parallel parameters are spread over a "
+                                                 r"2-D mesh \(2, 2\); .* fully_shard names \(dp_mesh_dims=...\), "
+                                                 r"leaving one that shards parameters: plan without "
+                                                 r"checkpoint_partitioned\.$"):
+                ranks.tensor_parallel_group(undecided)
+
+
+def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh_price_partitioned_inputs_over_tp_on_meta():
+    """The GPT with 1 MiB block inputs, its MLPs split over ``tp`` and its blocks sharded by FSDP2 over ``dp``, on
+    the meta device in a fake world of four ranks: the inputs are gathered over the two ranks of ``tp``, and every
+    block ``checkpoint_partitioned`` is predicted at 17,976,968 bytes, the peak the real four-rank run predicted
+    and measured on every rank at every step (BENCHMARKS.md, benchmarks/tp.py --models gpt_part); a plan at that
+    peak takes the option."""
+    import tp_plan_worker as worker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tokens = torch.empty(worker.PARTITIONED_BATCH, worker.PARTITIONED_CFG.seq_len, dtype=torch.long, device="meta")
+    with remat.fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = worker._gpt(mesh["tp"], worker.PARTITIONED_CFG)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        assert ranks.tensor_parallel_group(model) is mesh["tp"].get_group()
+        prof = remat.profile(model, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+    assert {name: (entry.shard, entry.world) for name, entry in prof.partitioned.items()} == {
+        f"blocks.{i}": (512 << 10, 2) for i in range(3)}
+    every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
+    assert every.predicted_peak == 17_976_968
+    assert "checkpoint_partitioned" in prof.plan(every.predicted_peak).decisions.values()
+
+
 def test_an_input_is_kept_as_a_shard_by_one_rule():
     """What the profile counts as a block's sharded input is what the hooks shard: plain tensors of 1 MiB and more,
     contiguous, not parameters nor leaves that require grad; a shard is a padded 1/world share."""
