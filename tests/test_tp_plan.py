@@ -286,6 +286,15 @@ def test_partitioned_inputs_keep_the_all_reduce_the_recomputation_reaches(per_ra
         assert case["reduces"] == [n + 3 for n in case["unplanned_reduces"]], case
 
 
+def test_a_second_profile_reads_the_all_gather_time_the_first_kept(per_rank):
+    """Two profiles of models whose blocks' inputs make the same 512 KiB shards on the same group: the second reads
+    the time the first measured and kept in the timings file (rank 0 reads it and hands it to every rank)."""
+    for rank in per_rank:
+        first, second = rank["partitioned"]["gather_times"]
+        assert first == second > 0, rank["partitioned"]["gather_times"]
+    assert len({tuple(rank["partitioned"]["gather_times"]) for rank in per_rank}) == 1
+
+
 def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(per_rank):
     """At the every-block plan's own peak no plan of the other options fits: the solver's plan keeps some block's
     input as shards (one all-gather more in backward for each), trains bitwise and peaks as predicted."""
