@@ -246,3 +246,44 @@ def test_a_cached_link_to_host_memory_is_checked_too(monkeypatch):
     cache.put("overheads", "", "cpu", asdict(replace(linked, link_bytes_per_s=0.4e9)))  # 50 times too slow
     with pytest.warns(StaleTimings, match=r"\(a copy of 4\.0 MiB to host memory costs 10\.486 ms by them, 0\.210 ms "):
         assert overheads.cached_overheads(cache, "cpu") == linked
+
+
+def test_all_gather_times_are_kept_checked_and_measured_again_when_asked(monkeypatch, tmp_path):
+    """A partitioned input's all-gather (remat.planning.measure.gathers) is timed once per machine, group size and
+    backend: a later profile reads the kept time after one all-gather checks it, ``fresh_timings`` measures again,
+    a time far from the kept one's is measured again with one line, and an unsteady one is never kept."""
+    from remat.planning.measure.gathers import kept_gather_times
+    from remat.planning.measure.timecache import StaleTimings, measuring_afresh, timings_cache
+
+    monkeypatch.delenv("REMAT_STALE_SPREAD")  # the default limits, which this test checks
+    monkeypatch.delenv("REMAT_UNSTEADY_SPREAD")
+    calls, machine = [], {"seconds": 1e-3, "rounds": None}
+
+    def timed(size: int, rounds: int) -> list[float]:  # what gloo would take: a scripted time per 512 KiB
+        calls.append((size, rounds))
+        scripted = machine["rounds"] or [machine["seconds"]] * rounds
+        return [t * size / (512 << 10) for t in scripted[:rounds]]
+
+    def gathers(expected_calls: list[tuple[int, int]]) -> list[float]:
+        calls.clear()
+        with timings_cache() as cache:
+            seconds = kept_gather_times(cache, {512 << 10, 1 << 20}, "2 ranks (gloo)", "cpu", timed)
+        assert calls == expected_calls
+        return [seconds[512 << 10], seconds[1 << 20]]
+
+    measured = [(512 << 10, 3), (1 << 20, 3)]
+    assert gathers(measured) == pytest.approx([1e-3, 2e-3])
+    machine["seconds"] = 1.2e-3  # another process, a little busier: the kept times stand, one all-gather checks them
+    assert gathers([(1 << 20, 1)]) == pytest.approx([1e-3, 2e-3])
+    with measuring_afresh():  # remat.profile(..., fresh_timings=True)
+        assert gathers(measured) == pytest.approx([1.2e-3, 2.4e-3])
+    assert gathers([(1 << 20, 1)]) == pytest.approx([1.2e-3, 2.4e-3])  # and replaced what was kept
+    machine["seconds"] = 6e-3  # five times the kept time: not this machine's now
+    with pytest.warns(StaleTimings, match=r"^remat.profile: the cached times of all-gathers over 2 ranks \(gloo\) "
+                                          r"are not this machine's now \(an all-gather of a 1048576-byte shard takes "
+                                          r"2\.400 ms by them, 12\.000 ms now\); measuring them again\.$"):
+        assert gathers([(1 << 20, 1), *measured]) == pytest.approx([6e-3, 12e-3])
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path / "another"))
+    machine["rounds"] = [1e-3, 1e-3, 3e-3]  # spread twice the median: serves this profile, never kept
+    assert gathers(measured) == pytest.approx([1e-3, 2e-3])
+    assert gathers(measured) == pytest.approx([1e-3, 2e-3])

@@ -286,6 +286,15 @@ def test_partitioned_inputs_keep_the_all_reduce_the_recomputation_reaches(per_ra
         assert case["reduces"] == [n + 3 for n in case["unplanned_reduces"]], case
 
 
+def test_a_second_profile_reads_the_all_gather_time_the_first_kept(per_rank):
+    """Two profiles of models whose blocks' inputs make the same 512 KiB shards on the same group: the second reads
+    the time the first measured and kept in the timings file (rank 0 reads it and hands it to every rank)."""
+    for rank in per_rank:
+        first, second = rank["partitioned"]["gather_times"]
+        assert first == second > 0, rank["partitioned"]["gather_times"]
+    assert len({tuple(rank["partitioned"]["gather_times"]) for rank in per_rank}) == 1
+
+
 def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(per_rank):
     """At the every-block plan's own peak no plan of the other options fits: the solver's plan keeps some block's
     input as shards (one all-gather more in backward for each), trains bitwise and peaks as predicted."""
@@ -299,6 +308,43 @@ def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(pe
         assert planned["reduces"] == [n + len(partitioned) for n in case["unplanned_reduces"]], planned
         for measured in planned["measured"]:
             assert abs(measured - planned["predicted_peak"]) <= 0.03 * planned["predicted_peak"], planned
+
+
+def _meta_partitioned_profile() -> remat.Profile:
+    """The two-rank run's GPT with 1 MiB block inputs, built on the meta device in a fake world of two ranks."""
+    import tp_plan_worker as worker
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tokens = torch.empty(worker.PARTITIONED_BATCH, worker.PARTITIONED_CFG.seq_len, dtype=torch.long, device="meta")
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        with torch.device("meta"):
+            built = worker._gpt(mesh, worker.PARTITIONED_CFG)
+        return remat.profile(built, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+
+
+def test_meta_in_a_fake_world_of_two_prices_partitioned_inputs_over_the_interconnect(per_rank):
+    """On the meta device the same rule finds each block's 1 MiB input, and its all-gather is priced over the modelled
+    interconnect (10 us + half of the gathered 1 MiB over 200 GB/s); every block ``checkpoint_partitioned`` is
+    predicted at the real two-rank run's predicted peak, and within 1.5% of each rank's measured one; a plan at that
+    peak takes the option."""
+    from remat.planning.measure.gathers import PartitionedInputs
+    from remat.planning.measure.interconnect import Interconnect
+
+    prof = _meta_partitioned_profile()
+    gather = Interconnect().seconds("all_gather_into_tensor", 1 << 20, 2)
+    assert gather == pytest.approx(10e-6 + (512 << 10) / 200e9)
+    assert prof.partitioned == {f"blocks.{i}": PartitionedInputs(whole=1 << 20, shard=512 << 10, gathered=1 << 20,
+                                                                 gather_time=gather, world=2) for i in range(3)}
+    every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
+    checkpointed = prof.price({row.name: "checkpoint" for row in prof.rows})  # no dropout: no collective kept
+    assert every.predicted_extra_time - checkpointed.predicted_extra_time == pytest.approx(3 * gather, rel=1e-4)
+    for rank in per_rank:
+        real = rank["partitioned"]["every block"]
+        assert every.predicted_peak == real["predicted_peak"], (every.predicted_peak, real)
+        assert all(abs(m - every.predicted_peak) <= 0.015 * m for m in real["measured"]), (every.predicted_peak, real)
+    assert "checkpoint_partitioned" in prof.plan(every.predicted_peak).decisions.values()
 
 
 def test_a_partitioned_plan_refuses_a_model_without_a_mesh_in_one_line(per_rank):
@@ -344,6 +390,65 @@ def test_the_group_of_a_mesh_of_more_dimensions_is_refused_in_one_line():
         assert ranks.tensor_parallel_group(flat) is one.get_group()
 
 
+def test_on_a_whole_2d_mesh_the_group_is_the_dimension_fsdp2_leaves_that_shards_parameters():
+    """Parameters distributed over a whole (dp, tp) mesh and sharded by FSDP2 over ``dp`` (``dp_mesh_dims``): the
+    inputs are gathered over ``tp``, the one dimension left on which a parameter is sharded; FSDP2 over both, or
+    over ``dp`` with every parameter replicated over ``tp``, leaves it undecided: refused in one line."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def built(mesh, tp_placement, data_parallel):
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+        for layer in model:
+            for name in ("weight", "bias"):
+                whole = getattr(layer, name).detach()
+                setattr(layer, name, nn.Parameter(distribute_tensor(whole, mesh, [Replicate(), tp_placement])))
+        return fully_shard(model, mesh=mesh, dp_mesh_dims=data_parallel)
+
+    with remat.fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = built(mesh, Shard(0), DataParallelMeshDims(shard="dp"))
+        assert ranks.tensor_parallel_group(model) is mesh.get_group("tp")
+        for undecided in (built(mesh, Replicate(), DataParallelMeshDims(shard=("dp", "tp"))),
+                          built(mesh, Replicate(), DataParallelMeshDims(shard="dp"))):
+            with pytest.raises(ValueError, match=r"^remat: Sequential's tensor-parallel parameters are spread over a "
+                                                 r"2-D mesh \(2, 2\); .* fully_shard names \(dp_mesh_dims=...\), "
+                                                 r"leaving one that shards parameters: plan without "
+                                                 r"checkpoint_partitioned\.$"):
+                ranks.tensor_parallel_group(undecided)
+
+
+def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh_price_partitioned_inputs_over_tp_on_meta():
+    """The GPT with 1 MiB block inputs, its MLPs split over ``tp`` and its blocks sharded by FSDP2 over ``dp``, on
+    the meta device in a fake world of four ranks: the inputs are gathered over the two ranks of ``tp``, and every
+    block ``checkpoint_partitioned`` is predicted at 17,976,968 bytes, the peak the real four-rank run predicted
+    and measured on every rank at every step (BENCHMARKS.md, benchmarks/tp.py --models gpt_part); a plan at that
+    peak takes the option."""
+    import tp_plan_worker as worker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    tokens = torch.empty(worker.PARTITIONED_BATCH, worker.PARTITIONED_CFG.seq_len, dtype=torch.long, device="meta")
+    with remat.fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = worker._gpt(mesh["tp"], worker.PARTITIONED_CFG)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        assert ranks.tensor_parallel_group(model) is mesh["tp"].get_group()
+        prof = remat.profile(model, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+    assert {name: (entry.shard, entry.world) for name, entry in prof.partitioned.items()} == {
+        f"blocks.{i}": (512 << 10, 2) for i in range(3)}
+    every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
+    assert every.predicted_peak == 17_976_968
+    assert "checkpoint_partitioned" in prof.plan(every.predicted_peak).decisions.values()
+
+
 def test_an_input_is_kept_as_a_shard_by_one_rule():
     """What the profile counts as a block's sharded input is what the hooks shard: plain tensors of 1 MiB and more,
     contiguous, not parameters nor leaves that require grad; a shard is a padded 1/world share."""
@@ -368,9 +473,9 @@ def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_l
     with pytest.raises(ValueError) as refused:
         prof.plan("60%", allow=("checkpoint_partitioned",))
     assert str(refused.value) == (
-        "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun, "
-        "whose blocks take inputs of 1 MiB or more that every rank holds in full; this profile has none: allow "
-        "checkpoint, save_matmuls or selective.")
+        "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun (or on "
+        "the meta device in remat.fake_world), whose blocks take inputs of 1 MiB or more that every rank holds in "
+        "full; this profile has none: allow checkpoint, save_matmuls or selective.")
 
 
 def test_print_names_the_blocks_that_send_collectives_again_or_their_count_in_a_deep_model():

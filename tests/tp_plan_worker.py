@@ -246,6 +246,7 @@ def _partitioned(mesh, folder) -> dict:
     except remat.InfeasibleBudget:
         result["without it"] = "refused"
     result["unsharded"] = _refusal(every, _gpt(None, PARTITIONED_CFG))
+    first = prof.partitioned["blocks.0"]
     # with dropout the recomputation reaches the all-reduce: the op-level policy beside the shards keeps its output
     expected = _train("gpt", _gpt(mesh, PARTITIONED_DROPOUT_CFG), batches)
     prof = remat.profile(_gpt(mesh, PARTITIONED_DROPOUT_CFG), tokens, loss_fn=lambda logits: (
@@ -254,6 +255,8 @@ def _partitioned(mesh, folder) -> dict:
     got = _train("gpt", plan.apply(_gpt(mesh, PARTITIONED_DROPOUT_CFG)), batches)
     result["dropout"] = {"bitwise": _bitwise(expected, got), "reduces": got[3], "unplanned_reduces": expected[3],
                          "rerun": plan.collectives_rerun, "decisions": plan.decisions}
+    # the same 512 KiB shards on the same group: the second profile reads the all-gather's time the first kept
+    result["gather_times"] = [first.gather_time, prof.partitioned["blocks.0"].gather_time]
     return result
 
 

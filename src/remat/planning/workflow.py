@@ -251,8 +251,10 @@ def profile(
                 f"{on_meta.who}: {type(model).__name__} needs the values of its data, which meta tensors do not "
                 f"have ({type(error).__name__}: {first_line}); profile it on real tensors instead, with a smaller "
                 "batch or sequence (activation bytes scale with them).") from error
-        # a tensor-parallel block's inputs kept as shards: which, and their all-gathers timed, on every rank
-        measured.partitioned = partitioned_inputs(model, blocks, lambda: model(*example_inputs, **kwargs), ranks)
+        # a tensor-parallel block's inputs kept as shards: which, and their all-gathers timed on every rank (on meta:
+        # priced over the interconnect)
+        measured.partitioned = partitioned_inputs(model, blocks, lambda: model(*example_inputs, **kwargs), ranks,
+                                                  interconnect)
         # the output layer and loss over token chunks: one more instrumented step (a causal LM with labels)
         chunkable = on_meta is None and ranks.chunked_head
         head = None if not chunkable else measure_head(model, example_inputs, kwargs, blocks, loss_fn is not None,

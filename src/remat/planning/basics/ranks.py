@@ -182,9 +182,11 @@ def tensor_parallel_group(model: nn.Module) -> Any:
     a block's replicated activations in full), or None where it has no mesh.
 
     A 1-D mesh is that group; under FSDP2 on a 2-D (dp, tp) mesh, tensor parallel's parameters were spread over the
-    mesh's ``tp`` dimension (``parallelize_module`` takes a 1-D mesh), which is the one read.  A mesh of more
-    dimensions (parameters distributed over a whole N-D mesh) is refused in one line: which of its dimensions hold
-    equal activations is not decidable from the parameters.
+    mesh's ``tp`` dimension (``parallelize_module`` takes a 1-D mesh), which is the one read.  Parameters
+    distributed over a whole N-D mesh that FSDP2 shards over some of its dimensions (``fully_shard(...,
+    dp_mesh_dims=...)``, which names the data-parallel ones, whose ranks take different data): the one dimension
+    left on which some parameter is sharded.  Any other N-D mesh is refused in one line: which of its dimensions
+    hold equal activations is not decidable from the parameters.
 
     Example:
         >>> tensor_parallel_group(model)           # ColwiseParallel / RowwiseParallel on 2 ranks
@@ -193,11 +195,39 @@ def tensor_parallel_group(model: nn.Module) -> Any:
     mesh = _mesh(model)
     if mesh is None:
         return None
-    if mesh.ndim != 1:
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    dims = _tensor_parallel_dims(model, mesh)
+    if len(dims) != 1:
         raise ValueError(f"remat: {original_class(model).__name__}'s tensor-parallel parameters are spread over a "
                          f"{mesh.ndim}-D mesh {tuple(mesh.shape)}; partitioned inputs need tensor parallel on a 1-D "
-                         "mesh (parallelize_module(..., mesh['tp'], ...)): plan without checkpoint_partitioned.")
-    return mesh.get_group()
+                         "mesh (parallelize_module(..., mesh['tp'], ...)) or one whose data-parallel dimensions "
+                         "fully_shard names (dp_mesh_dims=...), leaving one that shards parameters: plan without "
+                         "checkpoint_partitioned.")
+    return mesh.get_group(dims[0])
+
+
+def _tensor_parallel_dims(model: nn.Module, mesh: Any) -> list[int]:
+    """The dimensions of the N-D ``mesh`` that FSDP2 was not given as data parallel and some parameter is sharded
+    over (by its placements before FSDP2 sharded it); none where no FSDP2 unit names its data-parallel dimensions."""
+    data_parallel: set[str] = set()
+    fsdp_managed = {id(p) for unit in sharded_units(model) for p in unit.parameters()}
+    placements = [p.placements for p in model.parameters()
+                  if getattr(p, "device_mesh", None) is mesh and id(p) not in fsdp_managed]
+    for unit in sharded_units(model):
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            named = getattr(fsdp_param.mesh_info, "dp_mesh_dims", None)
+            spec = getattr(fsdp_param, "_unsharded_dtensor_spec", None) if fsdp_param.is_dtensor else None
+            if named is None or spec is None or spec.mesh is not mesh:
+                continue
+            data_parallel.update((*named.shard_names, *named.replicate_names))
+            placements.append(spec.placements)
+    if not data_parallel:
+        return []
+    names = mesh.mesh_dim_names or ()
+    return [dim for dim in range(mesh.ndim) if names[dim] not in data_parallel
+            and any(not placed[dim].is_replicate() for placed in placements)]
 
 
 def _mesh(model: nn.Module) -> Any:

@@ -127,8 +127,8 @@ def block_options(prof: StepProfile, allow: Sequence[str] = DEFAULT_ALLOW) -> li
     others = _listed([o for o in ALLOWED if o not in OFFLOADS and (o != PARTITIONED or prof.partitioned)], "or")
     if PARTITIONED in allow and not prof.partitioned and set(allow) <= {PARTITIONED, *missing}:
         raise ValueError(f"remat.plan: {PARTITIONED} needs a tensor-parallel model profiled on every rank under "
-                         "torchrun, whose blocks take inputs of 1 MiB or more that every rank holds in full; this "
-                         f"profile has none: allow {others}.")
+                         "torchrun (or on the meta device in remat.fake_world), whose blocks take inputs of 1 MiB or "
+                         f"more that every rank holds in full; this profile has none: allow {others}.")
     if allow and set(allow) <= set(missing):  # a plan could only keep every block: not what was asked
         raise ValueError(f"remat.plan: {_unavailable_phrase(prof.device, missing)}: allow {others}, or profile the "
                          "model on a CUDA device.")

@@ -3,16 +3,22 @@
 Under tensor parallel (without sequence parallel) every rank of the mesh holds a block's input in full.  A plan
 may checkpoint the block with its inputs kept as a ``1/tp`` shard per rank, all-gathered whole in backward
 (``checkpoint_partitioned``, :mod:`remat.planning.choices.partitioned`).  What that option keeps and costs is
-measured here, once per profile: which tensors each block's :class:`~remat.policies.partition.PartitionInputs`
-would shard (one forward with a hook per block, by the hooks' own rule,
-:func:`~remat.policies.partition.shard_bytes`), and the seconds of a real all-gather of each of their sizes on
-the process group the model's mesh uses.
+measured here: which tensors each block's :class:`~remat.policies.partition.PartitionInputs` would shard (one
+forward with a hook per block, by the hooks' own rule, :func:`~remat.policies.partition.shard_bytes`), and the
+seconds of a real all-gather of each of their sizes on the process group the model's mesh uses.
 
-Every rank runs that forward and those all-gathers in the same order (they are collectives), as the blocks'
-timed runs are; rank 0's times are handed to every rank, so that all plan alike.  On the CPU an all-gather is
-timed on the wall clock: its time is waiting on the other ranks, which a thread's CPU time does not count.
-Where no process group runs the model's mesh (one process, a fake world, the meta device) nothing is measured
-and no block has the option.
+Those seconds are kept in the machine's timings file (:mod:`~remat.planning.measure.timecache`), keyed by the
+shard's bytes, the group's size, its backend and the device, as the blocks' times are, so that a choice of the
+option does not follow timing noise from one run to the next (:func:`kept_gather_times`: unsteady times are not
+written, kept ones are checked against one all-gather timed now, ``fresh_timings=True`` measures again).  Every
+rank runs that forward and those all-gathers in the same order (they are collectives), as the blocks' timed runs
+are; rank 0 reads the file and its times decide on every rank, so that all plan alike.  On the CPU an all-gather
+is timed on the wall clock: its time is waiting on the other ranks, which a thread's CPU time does not count.
+On the meta device (a :func:`remat.fake_world` of N ranks) nothing runs: the same rule finds the inputs on meta
+tensors, and an all-gather costs what crossing the interconnect costs
+(:meth:`~remat.planning.measure.interconnect.Interconnect.seconds`: ``(n - 1) / n`` of the gathered tensor's bytes
+over the link, plus its latency).  Where no process group runs the model's mesh off the meta device (one process,
+a fake world on real tensors) nothing is measured and no block has the option.
 
 Example:
     >>> measured.partitioned = partitioned_inputs(model, blocks, lambda: model(tokens), Ranks.of(model))
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +40,12 @@ from torch import nn
 from ...engine.replay import tensor_leaves
 from ...policies.partition import shard_bytes
 from ..basics.ranks import Ranks, reshard, tensor_parallel_group
+from ..basics.userline import user_stacklevel
+from .interconnect import Interconnect
+from .timecache import StaleTimings, TimingCache, stale_slack, timings_cache, unsteady_limit
 from .timing import Clock
 
-__all__ = ["PartitionedInputs", "partitioned_inputs"]
+__all__ = ["PartitionedInputs", "kept_gather_times", "partitioned_inputs"]
 
 _ROUNDS = 3  # timed all-gathers per size, after one warm-up: the median is kept
 
@@ -60,17 +70,20 @@ class PartitionedInputs:
 
 
 def partitioned_inputs(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], forward: Callable[[], Any],
-                       ranks: Ranks) -> dict[str, PartitionedInputs]:
+                       ranks: Ranks, interconnect: Interconnect | None = None) -> dict[str, PartitionedInputs]:
     """Per block of ``blocks`` whose inputs :class:`~remat.policies.partition.PartitionInputs` would shard over
-    ``model``'s tensor-parallel group: their bytes and the measured time of gathering them back.  Runs
-    ``forward()`` once (without grad) on every rank, then the all-gathers; empty where ``ranks`` do not profile
-    together on a mesh, on the meta device, or where the mesh's group is not decidable (more than 1-D).
+    ``model``'s tensor-parallel group: their bytes and the time of gathering them back.  Runs ``forward()`` once
+    (without grad) on every rank, then the all-gathers, timed (kept in the timings file); on the meta device (a
+    :func:`remat.fake_world`) the all-gathers are priced over ``interconnect`` (default:
+    :class:`~remat.planning.measure.interconnect.Interconnect`'s).  Empty where ``ranks`` do not profile together
+    on a mesh off the meta device, or where the mesh's group is not decidable.
 
     Example:
         >>> partitioned_inputs(model, [("blocks.0", model.blocks[0])], lambda: model(tokens), Ranks.of(model))
         {'blocks.0': PartitionedInputs(whole=1048576, shard=524288, ...)}
     """
-    if not ranks.together or any(p.device.type == "meta" for p in model.parameters()):
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
+    if not (ranks.together or on_meta):
         return {}
     try:
         group = tensor_parallel_group(model)
@@ -82,9 +95,12 @@ def partitioned_inputs(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]
 
     world = dist.get_world_size(group)
     sizes = ranks.same(_shard_sizes(model, blocks, forward, world))  # every rank times the same all-gathers
-    device = next(model.parameters()).device
-    seconds = ranks.same(_gather_times({shard for block in sizes.values() for shard, _ in block}, group, world,
-                                       device))
+    shards = {shard for block in sizes.values() for shard, _ in block}
+    if on_meta:  # nothing to time: what crossing the interconnect costs, the whole gathered tensor's bus bytes
+        link = interconnect or Interconnect()
+        seconds = {shard: link.seconds("all_gather_into_tensor", shard * world, world) for shard in shards}
+    else:
+        seconds = _gather_times(shards, group, world, next(model.parameters()).device, ranks)
     found = {}
     for name, block in sizes.items():
         shard = sum(nbytes for nbytes, _ in block)
@@ -118,24 +134,67 @@ def _shard_sizes(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], forw
     return sizes
 
 
-def _gather_times(sizes: set[int], group: Any, world: int, device: torch.device) -> dict[int, float]:
-    """Median seconds of an all-gather on ``group`` of a shard of each of ``sizes`` bytes, smallest first (every rank
-    in the same order)."""
+def kept_gather_times(cache: TimingCache, sizes: set[int], group_key: str, device: str,
+                      timed: Callable[[int, int], list[float]]) -> dict[int, float]:
+    """Seconds of an all-gather of a shard of each of ``sizes`` bytes: kept in the timings file (``cache``, under
+    ``group_key``: the group's size and backend) or measured with ``timed(size, rounds)`` (that many timed
+    all-gathers of ``size`` bytes after a warm-up; their median), smallest first, every rank in the same order.
+
+    A measurement whose rounds spread by more than :func:`~remat.planning.measure.timecache.unsteady_limit` serves
+    this profile only.  Kept times are checked first against one all-gather of the largest kept size timed now:
+    apart by more than :func:`~remat.planning.measure.timecache.stale_slack`, every size is measured again, with
+    one :class:`~remat.planning.measure.timecache.StaleTimings` line.  Ranks that time together decide from rank 0's
+    times (``cache.same``).
+
+    Example:
+        >>> with timings_cache(ranks) as cache:
+        ...     kept_gather_times(cache, {524288}, "2 ranks (gloo)", "cpu", timed)
+        {524288: 0.00041}
+    """
+    kept = {size: cache.get("gather", f"{size}|{group_key}", device) for size in sorted(sizes)}
+    found = [size for size, entry in kept.items() if entry]
+    if found and stale_slack(0.0) != float("inf"):
+        largest = found[-1]
+        now, entry = cache.same(timed(largest, 1)[0]), kept[largest]
+        slack = stale_slack(entry["spread"])
+        if not (now <= entry["seconds"] * (1 + slack) and entry["seconds"] <= now * (1 + slack)):
+            warnings.warn(StaleTimings(
+                f"remat.profile: the cached times of all-gathers over {group_key} are not this machine's now "
+                f"(an all-gather of a {largest}-byte shard takes {entry['seconds'] * 1e3:.3f} ms by them, "
+                f"{now * 1e3:.3f} ms now); measuring them again."), stacklevel=user_stacklevel())
+            kept = dict.fromkeys(kept)
+    seconds = {}
+    for size, entry in kept.items():
+        if entry is None:
+            rounds = cache.same(timed(size, _ROUNDS))
+            median = statistics.median(rounds)
+            entry = {"seconds": median, "spread": (max(rounds) - min(rounds)) / median if median > 0 else 0.0}
+            if entry["spread"] <= unsteady_limit():  # an unsteady time serves this profile only
+                cache.put("gather", f"{size}|{group_key}", device, entry)
+        seconds[size] = entry["seconds"]
+    return seconds
+
+
+def _gather_times(sizes: set[int], group: Any, world: int, device: torch.device, ranks: Ranks) -> dict[int, float]:
+    """Seconds of an all-gather on ``group`` of a shard of each of ``sizes`` bytes, kept or measured
+    (:func:`kept_gather_times`); rank 0's on every rank (every decision there is made from rank 0's times)."""
     import torch.distributed as dist
 
     clock = Clock(device) if device.type != "cpu" else None
-    seconds = {}
-    for size in sorted(sizes):
+
+    def timed(size: int, rounds: int) -> list[float]:
         shard = torch.zeros(size, dtype=torch.uint8, device=device)
         whole = torch.empty(size * world, dtype=torch.uint8, device=device)
-        rounds = []
-        for _ in range(_ROUNDS + 1):
+        seconds = []
+        for _ in range(rounds + 1):  # the first a warm-up
             if clock is not None:
-                rounds.append(clock.time(lambda: dist.all_gather_into_tensor(whole, shard, group=group))[1])  # noqa: B023
+                seconds.append(clock.time(lambda: dist.all_gather_into_tensor(whole, shard, group=group))[1])
             else:
                 start = time.perf_counter()
                 dist.all_gather_into_tensor(whole, shard, group=group)
-                rounds.append(time.perf_counter() - start)
-        seconds[size] = statistics.median(rounds[1:])
-    return seconds
+                seconds.append(time.perf_counter() - start)
+        return seconds[1:]
 
+    # the lock is not held across these collectives: rank 0 reads the file and hands its entries to every rank
+    with timings_cache(ranks) as cache:
+        return kept_gather_times(cache, sizes, f"{world} ranks ({dist.get_backend(group)})", str(device), timed)
