@@ -484,6 +484,15 @@ def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_l
         "remat.plan: checkpoint_partitioned needs a tensor-parallel model profiled on every rank under torchrun (or on "
         "the meta device in remat.fake_world), whose blocks take inputs of 1 MiB or more that every rank holds in "
         "full; this profile has none: allow checkpoint, save_matmuls or selective.")
+    with pytest.raises(ValueError) as priced:
+        prof.price({"0": "checkpoint_partitioned"})
+    assert str(priced.value).startswith(
+        "remat.plan_for: `0` has no option 'checkpoint_partitioned' here (the profile found no input of its own of "
+        "1 MiB or more that every tensor-parallel rank holds in full); it has checkpoint")
+    with pytest.warns(UserWarning, match=r"^remat.profile: interconnect_bandwidth and interconnect_latency price "
+                                         r"collectives on the meta device only"):
+        remat.profile(model, torch.randn(8, 32), loss_fn=lambda out: out.sum(), repeats=1,
+                      interconnect_bandwidth=25e9)
 
 
 def test_print_names_the_blocks_that_send_collectives_again_or_their_count_in_a_deep_model():

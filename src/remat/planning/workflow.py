@@ -230,6 +230,10 @@ def profile(
     if repeats < 1:
         raise ValueError(f"remat.profile: repeats must be at least 1, got {repeats}.")
     interconnect = Interconnect(interconnect_bandwidth, interconnect_latency)  # refuses a bad value in one line
+    if device != "meta" and (interconnect_bandwidth, interconnect_latency) != (DEFAULT_BANDWIDTH, DEFAULT_LATENCY):
+        warnings.warn("remat.profile: interconnect_bandwidth and interconnect_latency price collectives on the meta "
+                      "device only; this profile times them on the process group (leave them out, or pass "
+                      "device='meta').", stacklevel=user_stacklevel())
     blocks = resolve_blocks(model, modules)
     names = [name for name, _ in blocks]
     links = chain_links(model, names)

@@ -134,7 +134,10 @@ def plan_for(prof: StepProfile, decisions: Mapping[str, str], segments: Sequence
         match = next((o for o in options[index[name]] if o.name == wanted and o.span == 1), None)
         if match is None:
             offered = sorted({o.name for o in options[index[name]] if o.span == 1})
-            raise ValueError(f"remat.plan_for: `{name}` has no option {wanted!r} here; it has {', '.join(offered)}.")
+            why = (" (the profile found no input of its own of 1 MiB or more that every tensor-parallel rank holds "
+                   "in full)" if wanted == PARTITIONED and name not in prof.partitioned else "")
+            raise ValueError(f"remat.plan_for: `{name}` has no option {wanted!r} here{why}; it has "
+                             f"{', '.join(offered)}.")
         placed.append((index[name], match))
     plan = plan_of(prof, placed, prof.peak_bytes)
     plan.budget = plan.predicted_peak  # made for no budget: it promises its own peak
