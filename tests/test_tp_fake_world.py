@@ -159,3 +159,52 @@ def test_on_meta_the_plans_peak_where_the_fake_worlds_real_tensors_do(hold_outpu
                  prof.price({}, segments=[["1", "2"]])]
         peaks.append([prof.peak_bytes, wire.predicted_peak, *(plan.predicted_peak for plan in named)])
     assert peaks[0] == peaks[1]
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Gemma"])
+def test_hugging_face_decoders_split_in_attention_and_mlp_peak_where_their_plans_say(family):
+    """Transformers' own decoders (a tiny config, random weights), q / k / v / gate / up column-wise and o / down
+    row-wise: every block checkpointed, ``save_matmuls`` and keeping what crossed the wire (all but the last block)
+    peak where predicted, and a checkpointed block sends its attention's all-reduce again (the down projection's
+    comes after its last saved tensor)."""
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    extra = {"head_dim": 16} if family == "Gemma" else {}
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, use_cache=False, **extra)
+    ids = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def build(mesh):
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}ForCausalLM")(config).train()
+        for layer in model.model.layers:
+            parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                       "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+            parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                 "down_proj": RowwiseParallel()})
+        return model
+
+    with remat.fake_world(2):
+        mesh = init_device_mesh("cpu", (2,))
+        prof = remat.profile(build(mesh), input_ids=ids, labels=ids, repeats=1, hold_output=False)
+        assert [(row.collectives, row.tail_collectives) for row in prof.rows] == [(1, 1)] * 3
+        names = [row.name for row in prof.rows]
+        wired = [(p, selective_option(row, prof.ops.blocks[row.name], wire_nodes(prof.ops.blocks[row.name])))
+                 for p, row in enumerate(prof.rows[:-1])]
+        plans = [prof.price(dict.fromkeys(names, "checkpoint")), prof.price(dict.fromkeys(names, "save_matmuls")),
+                 plan_of(prof, wired, prof.peak_bytes)]
+        assert [plan.collectives_rerun for plan in plans] == [3, 0, 0]
+        for plan in plans:
+            planned = plan.apply(build(mesh))
+            opt = torch.optim.SGD(planned.parameters(), lr=0.1)
+
+            def step(planned=planned, opt=opt):
+                opt.zero_grad()
+                planned(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+
+            measured = remat.measure_step(step, planned, opt).peak_total
+            assert abs(measured - plan.predicted_peak) <= 8192, (plan.decisions, measured, plan.predicted_peak)
