@@ -11,6 +11,9 @@ by every rank in the same (backward) order.
 The inputs must be equal on every rank of the group, as tensor parallel's replicated activations are: a
 rank's slice stands for the others'.  Parameters, leaves that require grad (their memory stays alive anyway),
 tensor subclasses (a DTensor is sharded already) and non-contiguous or small tensors are kept as they are.
+``activations_only=True`` keeps whole every tensor that does not require grad too (rotary tables, masks,
+position ids): a model hands those to every layer, so they stay alive whatever one layer keeps, and a shard of
+them frees nothing; what it shards are the region's activations (hidden states).  Plans install it so.
 """
 
 from __future__ import annotations
@@ -28,18 +31,23 @@ PARTITION_MIN_BYTES = 1 << 20
 """The smallest input :class:`PartitionInputs` shards: below it the all-gather costs more than it frees."""
 
 
-def shard_bytes(tensor: torch.Tensor, world: int, min_bytes: int = PARTITION_MIN_BYTES) -> int | None:
+def shard_bytes(tensor: torch.Tensor, world: int, min_bytes: int = PARTITION_MIN_BYTES,
+                activations_only: bool = False) -> int | None:
     """The bytes one rank of ``world`` keeps of ``tensor`` when :class:`PartitionInputs` saves it (its slice,
     padded to a ``1/world`` share), or None where the hooks keep it whole: a tensor subclass (a DTensor), a
-    parameter or a leaf that requires grad, a non-contiguous tensor, one under ``min_bytes``, or one rank alone.
+    parameter or a leaf that requires grad, a non-contiguous tensor, one under ``min_bytes``, one rank alone,
+    or, with ``activations_only``, a tensor that does not require grad.
 
     Example:
         >>> shard_bytes(torch.zeros(1024, 1024), world=2)
         2097152
+        >>> shard_bytes(torch.zeros(1024, 1024), world=2, activations_only=True) is None   # a mask, a rotary table
+        True
     """
     owner = tensor._base if tensor._base is not None else tensor
     if (type(tensor) is not torch.Tensor or world == 1 or tensor.nbytes < min_bytes or not tensor.is_contiguous()
-            or (owner.is_leaf and (owner.requires_grad or isinstance(owner, nn.Parameter)))):
+            or (owner.is_leaf and (owner.requires_grad or isinstance(owner, nn.Parameter)))
+            or (activations_only and not tensor.requires_grad)):
         return None
     return -(-tensor.numel() // world) * tensor.element_size()
 
@@ -72,14 +80,18 @@ class PartitionInputs(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that keep each rank's slice of the tensors saved under them; backward gathers them.
 
     ``group`` is a process group (or a 1-D ``DeviceMesh``) whose ranks all save equal tensors; tensors under
-    ``min_bytes`` are kept whole.  :func:`remat.checkpoint` installs one around a region's inputs when given
-    ``partition_inputs=group``.
+    ``min_bytes`` are kept whole, and with ``activations_only`` those that do not require grad too (see
+    :func:`shard_bytes`).  :func:`remat.checkpoint` installs one around a region's inputs when given
+    ``partition_inputs=group`` (or these hooks themselves, made with other settings).
 
     Example:
         >>> y = remat.checkpoint(block, x, policy=remat.policies.save_collectives, partition_inputs=tp_group)
+        >>> hooks = PartitionInputs(tp_group, activations_only=True)     # a Llama layer: its hidden states only
+        >>> y = remat.checkpoint(layer, h, position_embeddings=(cos, sin), partition_inputs=hooks)
     """
 
-    def __init__(self, group: Any = None, min_bytes: int = PARTITION_MIN_BYTES) -> None:
+    def __init__(self, group: Any = None, min_bytes: int = PARTITION_MIN_BYTES, activations_only: bool = False
+                 ) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -89,12 +101,13 @@ class PartitionInputs(torch.autograd.graph.saved_tensors_hooks):
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.min_bytes = min_bytes
+        self.activations_only = activations_only
         self.stats = PartitionStats()
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         owner = tensor._base if tensor._base is not None else tensor
-        if shard_bytes(tensor, self.world, self.min_bytes) is None:
+        if shard_bytes(tensor, self.world, self.min_bytes, self.activations_only) is None:
             return _Saved(tensor, None, tensor.numel(), weakref.ref(owner), tensor._version)
         flat = tensor.detach().reshape(-1)
         per_rank = -(-flat.numel() // self.world)

@@ -18,9 +18,12 @@ profile measured of its inputs (:class:`~remat.planning.measure.gathers.Partitio
 * forward: the shard is made while the whole input is still alive, so the forward holds it on top;
 * extra time: that option's, plus the measured all-gathers, priced as communication.
 
-Only a block whose sharded inputs are its own (no larger than the inputs only it holds, ``row.held_bytes``) and
-whose recomputation can be served every collective it reaches has the option: sharding a tensor other blocks hold
-too would free nothing, and the option sends no collective again.
+The inputs sharded are the block's activations (those that require grad: its hidden states), not the tensors a
+model hands every layer (rotary tables, masks, position ids: alive anyway, a shard of them frees nothing), so a
+Hugging Face decoder layer has the option as a GPT block does.  Only a block whose sharded inputs are its own (no
+larger than the inputs only it holds, ``row.held_bytes``) and whose recomputation can be served every collective
+it reaches has the option: sharding a tensor other blocks hold too would free nothing, and the option sends no
+collective again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ...api.modules import checkpoint_wrapper
+from ...policies.partition import PartitionInputs
 from ..basics.blockpolicy import BlockPolicy
 from ..basics.ranks import original_class, tensor_parallel_group
 from ..measure.gathers import PartitionedInputs
@@ -78,15 +82,19 @@ def partitioned_option(row: ModuleProfile, graph: BlockGraph, keep_collectives_o
 
 
 def partitioned_wrapper(group: Any, policy: BlockPolicy | None = None) -> Callable[[nn.Module], nn.Module]:
-    """How a plan installs ``checkpoint_partitioned`` on a block: checkpointed with its inputs sharded over ``group``,
-    under ``policy``'s op-level decisions (the collective outputs it keeps; None: it keeps nothing).
+    """How a plan installs ``checkpoint_partitioned`` on a block: checkpointed with its activations among its inputs
+    sharded over ``group`` (``PartitionInputs(group, activations_only=True)``: what the profile measured), under
+    ``policy``'s op-level decisions (the collective outputs it keeps; None: it keeps nothing).
 
     Example:
         >>> model.blocks[0] = partitioned_wrapper(tensor_parallel_group(model))(model.blocks[0])
     """
-    if policy is None:
-        return lambda module: checkpoint_wrapper(module, partition_inputs=group)
-    return lambda module: checkpoint_wrapper(module, context_fn=policy.context_fn, partition_inputs=group)
+    def wrap(module: nn.Module) -> nn.Module:
+        hooks = PartitionInputs(group, activations_only=True)
+        if policy is None:
+            return checkpoint_wrapper(module, partition_inputs=hooks)
+        return checkpoint_wrapper(module, context_fn=policy.context_fn, partition_inputs=hooks)
+    return wrap
 
 
 def partition_group(model: nn.Module, decisions: Mapping[str, str]) -> Any:

@@ -4,7 +4,8 @@ Under tensor parallel (without sequence parallel) every rank of the mesh holds a
 may checkpoint the block with its inputs kept as a ``1/tp`` shard per rank, all-gathered whole in backward
 (``checkpoint_partitioned``, :mod:`remat.planning.choices.partitioned`).  What that option keeps and costs is
 measured here: which tensors each block's :class:`~remat.policies.partition.PartitionInputs` would shard (one
-forward with a hook per block, by the hooks' own rule, :func:`~remat.policies.partition.shard_bytes`), and the
+forward with a hook per block, by the rule of the hooks a plan installs, :func:`~remat.policies.partition.shard_bytes`
+with ``activations_only``: the inputs that require grad, so that forward runs with grad), and the
 seconds of a real all-gather of each of their sizes on the process group the model's mesh uses.
 
 Those seconds are kept in the machine's timings file (:mod:`~remat.planning.measure.timecache`), keyed by the
@@ -39,7 +40,7 @@ from torch import nn
 
 from ...engine.replay import tensor_leaves
 from ...policies.partition import shard_bytes
-from ..basics.ranks import Ranks, reshard, tensor_parallel_group
+from ..basics.ranks import Ranks, reshard, sharded_units, tensor_parallel_group
 from ..basics.userline import user_stacklevel
 from .interconnect import Interconnect
 from .timecache import StaleTimings, TimingCache, stale_slack, timings_cache, unsteady_limit
@@ -113,25 +114,45 @@ def partitioned_inputs(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]
 
 def _shard_sizes(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], forward: Callable[[], Any],
                  world: int) -> dict[str, list[tuple[int, int]]]:
-    """Per block, (shard bytes, whole bytes) of each input its first call's hooks would shard, in order."""
+    """Per block, (shard bytes, whole bytes) of each input its first call's hooks would shard, in order: the
+    hooks a plan installs (``activations_only``), so the forward runs with grad, as training does (which inputs
+    require grad is the rule), and keeps no saved tensor (it holds what a forward without grad would)."""
     sizes: dict[str, list[tuple[int, int]]] = {}
 
     def recorder(name: str) -> Callable[..., None]:
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if name not in sizes:
                 sizes[name] = [(shard, t.nbytes) for t in tensor_leaves((args, kwargs))
-                               if (shard := shard_bytes(t, world)) is not None]
+                               if (shard := shard_bytes(t, world, activations_only=True)) is not None]
         return record
 
     handles = [module.register_forward_pre_hook(recorder(name), with_kwargs=True) for name, module in blocks]
     try:
-        with torch.no_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked):
             forward()
     finally:
         for handle in handles:
             handle.remove()
-        reshard(model)  # FSDP2 units that keep their parameters gathered after a forward without backward
+        _forget_forward(model)
     return sizes
+
+
+def _dropped(tensor: torch.Tensor) -> None:
+    """The pack hook of the measuring forward: nothing is kept for a backward that never runs."""
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("remat internal error: the forward that finds partitioned inputs has no backward.")
+
+
+def _forget_forward(model: nn.Module) -> None:
+    """FSDP2 units as a training step would find them after a forward without backward: their gathered
+    parameters freed, and the root's record of that forward (kept for its backward's prefetches) dropped."""
+    reshard(model)
+    units = sharded_units(model)
+    root = units[0] if units else None
+    if root is not None and hasattr(root, "reset_iter_state") and getattr(root._get_fsdp_state(), "_is_root", False):
+        root.reset_iter_state()
 
 
 def kept_gather_times(cache: TimingCache, sizes: set[int], group_key: str, device: str,
