@@ -75,5 +75,6 @@ def two_rank_reports(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two-ranks")
     reports = {name: folder / f"{name}.json" for name in ("dist_worker", "dist_chunked_worker", "broadcast_worker",
                                                           "tp_worker", "ranks_worker", "fakeworld_worker",
-                                                          "ecosystem_worker", "tp_plan_worker")}
+                                                          "ecosystem_worker", "tp_plan_worker",
+                                                          "tp_llama_worker")}
     return run_two_ranks("two_ranks.py", *(f"{name}={path}" for name, path in reports.items())), reports

@@ -459,7 +459,8 @@ def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh_price_partitioned_inputs_over_t
 
 def test_an_input_is_kept_as_a_shard_by_one_rule():
     """What the profile counts as a block's sharded input is what the hooks shard: plain tensors of 1 MiB and more,
-    contiguous, not parameters nor leaves that require grad; a shard is a padded 1/world share."""
+    contiguous, not parameters nor leaves that require grad (and, as a plan installs them, tensors that require
+    grad only); a shard is a padded 1/world share."""
     from torch import nn
 
     from remat.policies.partition import shard_bytes
@@ -470,6 +471,9 @@ def test_an_input_is_kept_as_a_shard_by_one_rule():
     assert shard_bytes(nn.Parameter(torch.zeros(1 << 18)), 2) is None
     assert shard_bytes(torch.zeros(1 << 18, requires_grad=True), 2) is None
     assert shard_bytes(torch.zeros(2, 1 << 18).t(), 2) is None  # not contiguous
+    # what a plan's hooks shard: activations (they require grad), not a rotary table, a mask or position ids
+    hidden = torch.zeros(1 << 18, requires_grad=True) + 1
+    assert shard_bytes(hidden, 2, activations_only=True) == 1 << 19 and shard_bytes(big, 2, activations_only=True) is None
 
 
 def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_line():
