@@ -473,7 +473,8 @@ def test_an_input_is_kept_as_a_shard_by_one_rule():
     assert shard_bytes(torch.zeros(2, 1 << 18).t(), 2) is None  # not contiguous
     # what a plan's hooks shard: activations (they require grad), not a rotary table, a mask or position ids
     hidden = torch.zeros(1 << 18, requires_grad=True) + 1
-    assert shard_bytes(hidden, 2, activations_only=True) == 1 << 19 and shard_bytes(big, 2, activations_only=True) is None
+    assert shard_bytes(hidden, 2, activations_only=True) == 1 << 19
+    assert shard_bytes(big, 2, activations_only=True) is None
 
 
 def test_partitioned_inputs_alone_on_a_model_without_a_mesh_are_refused_in_one_line():

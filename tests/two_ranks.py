@@ -3,8 +3,8 @@ group.
 
 Each argument is ``MODULE=REPORT``: every rank runs ``MODULE.run(REPORT)`` (tests/dist_worker.py,
 dist_chunked_worker.py, broadcast_worker.py, ranks_worker.py, fakeworld_worker.py, ecosystem_worker.py,
-tp_worker.py, tp_plan_worker.py, tp_llama_worker.py), whose rank 0 writes the report. One launch serves them all, as each launch
-costs a process group and two interpreters that import torch.
+tp_worker.py, tp_plan_worker.py, tp_llama_worker.py), whose rank 0 writes the report. One launch serves them all,
+as each launch costs a process group and two interpreters that import torch.
 """
 
 import datetime

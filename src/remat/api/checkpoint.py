@@ -192,9 +192,10 @@ def checkpoint(
 
     ``partition_inputs=group`` (a process group or a 1-D ``DeviceMesh`` whose ranks all hold the region's inputs
     in full, as tensor parallel's are) keeps each rank's ``1/world`` slice of every input of 1 MiB and more,
-    and all-gathers it whole in backward (:class:`~remat.policies.partition.PartitionInputs`).  Gradients are
-    bitwise those without it.  Not with ``offload_inputs`` or ``use_reentrant=True``; under ``torch.compile``
-    the inputs are kept whole.
+    and all-gathers it whole in backward (:class:`~remat.policies.partition.PartitionInputs`; pass those hooks
+    made with ``activations_only=True`` to keep whole the inputs that require no grad, such as rotary tables and
+    masks every layer is handed).  Gradients are bitwise those without it.  Not with ``offload_inputs`` or
+    ``use_reentrant=True``; under ``torch.compile`` the inputs are kept whole.
 
     Example:
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
