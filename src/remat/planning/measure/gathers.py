@@ -40,7 +40,7 @@ from torch import nn
 
 from ...engine.replay import tensor_leaves
 from ...policies.partition import shard_bytes
-from ..basics.ranks import Ranks, reshard, sharded_units, tensor_parallel_group
+from ..basics.ranks import Ranks, reshard, tensor_parallel_group
 from ..basics.userline import user_stacklevel
 from .interconnect import Interconnect
 from .timecache import StaleTimings, TimingCache, stale_slack, timings_cache, unsteady_limit
@@ -133,7 +133,10 @@ def _shard_sizes(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], forw
     finally:
         for handle in handles:
             handle.remove()
-        _forget_forward(model)
+        # FSDP2 units that keep their parameters gathered after a forward without backward.  The root's record of
+        # this forward (for a backward's prefetches) is never read: a step's backward reads its own forward's
+        # entries, after it, and clears them all at its end
+        reshard(model)
     return sizes
 
 
@@ -143,16 +146,6 @@ def _dropped(tensor: torch.Tensor) -> None:
 
 def _never_unpacked(packed: None) -> torch.Tensor:
     raise RuntimeError("remat internal error: the forward that finds partitioned inputs has no backward.")
-
-
-def _forget_forward(model: nn.Module) -> None:
-    """FSDP2 units as a training step would find them after a forward without backward: their gathered
-    parameters freed, and the root's record of that forward (kept for its backward's prefetches) dropped."""
-    reshard(model)
-    units = sharded_units(model)
-    root = units[0] if units else None
-    if root is not None and hasattr(root, "reset_iter_state") and getattr(root._get_fsdp_state(), "_is_root", False):
-        root.reset_iter_state()
 
 
 def kept_gather_times(cache: TimingCache, sizes: set[int], group_key: str, device: str,
