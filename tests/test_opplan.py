@@ -195,7 +195,8 @@ def test_a_plan_that_offloads_blocks_counts_one_window_of_copies_in_flight(case,
 def test_the_last_block_keeping_its_dropout_masks_peaks_where_predicted():
     """Backward starts with the last block, so its recomputation makes the step's peak.  A kept dropout mask is a
     copy, handed back when the rerun reaches its draw and let go of there: the rest of the recomputation runs
-    without it (priced as held throughout, the attention mask alone was over-predicted by 1 MiB)."""
+    without it (a copy priced as held through the whole rerun puts the attention mask's point 1 MiB above its
+    measured peak)."""
     torch.manual_seed(0)
     cfg = GPTConfig(n_layers=2, d_model=64, n_heads=16, mlp_ratio=8, seq_len=64, vocab_size=16)
     model = GPT(cfg)
