@@ -146,13 +146,17 @@ def gathers_parameters(op: object) -> bool:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds: a DTensor's local shard (FSDP2's sharded parameters and
-    gradients), any other tensor itself.  A DTensor's own storage reads as the whole tensor's bytes.
+    gradients), a collective's result wrapped for autograd (``AsyncCollectiveTensor``, tensor parallel's row-wise
+    layers) the result itself, any other tensor itself.  A wrapper's own storage holds no bytes (a DTensor's reads as
+    the whole tensor's), and a view of the wrapper makes another such storage: counted, they would be bytes
+    that ``measure_step`` never sees.
 
     Example:
         >>> local(model.blocks[0].attn.qkv.weight).shape     # FSDP2 on 2 ranks: half the rows
         torch.Size([96, 32])
     """
-    return getattr(tensor, "_local_tensor", tensor)
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    return tensor.elem if type(tensor).__name__ == "AsyncCollectiveTensor" else tensor  # no torch.distributed import
 
 
 def mesh_of(model: nn.Module) -> dict[str, Any] | None:

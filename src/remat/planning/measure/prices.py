@@ -161,7 +161,9 @@ def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
     """Most bytes a recomputation of ``graph``'s block holds at once above what it starts with, when the
     ``served`` nodes' outputs are handed to it instead of rerun: saved tensors stay with the refill until
     backward unpacks them, the others die as in forward, the served ones too (they are there from its start,
-    kept since the forward, and are gone once their last reader has run).
+    kept since the forward, and are gone once their last reader has run).  A random in-place op's kept copy
+    (``graph.copied_bytes``) is there from the start too, but only until its op is served: its value is copied
+    into the tensor the rerun made, and the kept record is let go of.
 
     Example:
         >>> recompute_peak(graph) >= recompute_peak(graph, {graph.keepable[0]})
@@ -177,6 +179,11 @@ def recompute_peak(graph: BlockGraph, served: set[int] = frozenset()) -> int:
         given += s.nbytes if s.producer in served else 0
         delta[start] += s.nbytes
         delta[stop if s.saved or s.dies is None else min(s.dies, stop)] -= s.nbytes
+    for index in served:
+        copied = graph.copied_bytes(index) if index < stop else 0
+        given += copied
+        delta[0] += copied
+        delta[index + 1] -= copied
     return max(0, _running_peak(delta[:stop]) - given)
 
 
