@@ -188,15 +188,39 @@ def remat_cli(*args: str, cwd=None) -> Finished:
     return Finished(code, out.getvalue(), err.getvalue())
 
 
-class CountAllReduces(TorchDispatchMode):
-    """Counts the functional all-reduces that really run in its body (a dispatch mode outside a checkpoint's own
-    sees only the ops the checkpoint does not serve from what it kept)."""
+def split_decoder_layers(model, mesh):
+    """A transformers decoder split by tensor parallel as torchtitan splits its Llama: each layer's q / k / v / gate /
+    up projections column-wise, o / down row-wise, over ``mesh``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                   "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                             "down_proj": RowwiseParallel()})
+    return model
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops._c10d_functional.all_reduce.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+
+def train_counting(model, batches, loss_of, ops):
+    """SGD over ``batches``: per step the loss, this rank's gradients (a DTensor's local shard), the step's peak
+    (``remat.measure_step``) and how many calls of ``ops`` its backward ran (a dispatch mode outside a checkpoint's
+    own sees only the ops the checkpoint does not serve from what it kept)."""
+    import remat
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads_, peaks, counts = [], [], [], []
+    for step, batch in enumerate(batches):
+        torch.manual_seed(step)  # dropout draws alike in every run
+
+        def run(batch=batch):
+            opt.zero_grad()
+            loss = loss_of(model, batch)
+            with CountOps(ops) as counter:
+                loss.backward()
+            counts.append(counter.count)
+            losses.append(loss.detach())
+            grads_.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
+            opt.step()
+
+        peaks.append(remat.measure_step(run, model, opt).peak_total)
+    return losses, grads_, peaks, counts

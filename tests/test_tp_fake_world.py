@@ -169,8 +169,8 @@ def test_hugging_face_decoders_split_in_attention_and_mlp_peak_where_their_plans
     peak where predicted, and a checkpointed block sends its attention's all-reduce again (the down projection's
     comes after its last saved tensor)."""
     transformers = pytest.importorskip("transformers")
+    from helpers import split_decoder_layers
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     extra = {"head_dim": 16} if family == "Gemma" else {}
     config = getattr(transformers, f"{family}Config")(
@@ -180,13 +180,7 @@ def test_hugging_face_decoders_split_in_attention_and_mlp_peak_where_their_plans
 
     def build(mesh):
         torch.manual_seed(0)
-        model = getattr(transformers, f"{family}ForCausalLM")(config).train()
-        for layer in model.model.layers:
-            parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                                       "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-            parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                                 "down_proj": RowwiseParallel()})
-        return model
+        return split_decoder_layers(getattr(transformers, f"{family}ForCausalLM")(config).train(), mesh)
 
     with remat.fake_world(2):
         mesh = init_device_mesh("cpu", (2,))

@@ -12,9 +12,8 @@ import json
 
 import torch
 import torch.distributed as dist
+from helpers import split_decoder_layers, train_counting
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 
@@ -30,42 +29,13 @@ def llama(mesh):
                                       num_attention_heads=2, num_key_value_heads=2, head_dim=128,
                                       max_position_embeddings=SEQUENCE, use_cache=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
-    for layer in model.model.layers:
-        parallelize_module(layer.self_attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                                   "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-        parallelize_module(layer.mlp, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                             "down_proj": RowwiseParallel()})
-    return model
-
-
-class _CountGathers(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.c10d._allgather_base_.default  # dist.all_gather_into_tensor
-        return func(*args, **(kwargs or {}))
+    return split_decoder_layers(transformers.LlamaForCausalLM(config).train(), mesh)
 
 
 def _train(model, batches):
     """Losses, local gradient shards, per-rank peaks and backward all-gathers per step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads, peaks, gathers = [], [], [], []
-    for ids in batches:
-        def run(ids=ids):
-            opt.zero_grad()
-            loss = model(input_ids=ids, position_ids=POSITIONS, labels=ids).loss
-            with _CountGathers() as counter:
-                loss.backward()
-            gathers.append(counter.count)
-            losses.append(loss.detach())
-            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
-            opt.step()
-
-        peaks.append(remat.measure_step(run, model, opt).peak_total)
-    return losses, grads, peaks, gathers
+    return train_counting(model, batches, lambda m, ids: m(input_ids=ids, position_ids=POSITIONS, labels=ids).loss,
+                          {torch.ops.c10d._allgather_base_.default})  # dist.all_gather_into_tensor
 
 
 def run(report_path: str) -> None:

@@ -21,6 +21,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from helpers import train_counting
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -30,7 +31,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat.models import GPT, GPTConfig, synthetic_batch
@@ -56,19 +56,6 @@ _COLLECTIVES = (torch.ops._c10d_functional.all_reduce.default,
                 torch.ops._c10d_functional.all_gather_into_tensor.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default,
                 torch.ops.c10d._allgather_base_.default)  # a partitioned input's all-gather in backward
-
-
-class _CountCollectives(TorchDispatchMode):
-    """All-reduces, all-gathers and reduce-scatters (sequence parallel runs the last two)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _COLLECTIVES:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _gpt(mesh, config=GPT_CFG):
@@ -139,24 +126,8 @@ def _loss(name, model, tokens, targets):
 
 
 def _train(name, model, batches):
-    """Losses, local gradient shards, per-rank peaks (remat.measure_step) and backward all-reduces per step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, grads, peaks, reduces = [], [], [], []
-    for step, (tokens, targets) in enumerate(batches):
-        torch.manual_seed(step)  # dropout draws alike in both runs
-
-        def run(tokens=tokens, targets=targets):
-            opt.zero_grad()
-            loss = _loss(name, model, tokens, targets)
-            with _CountCollectives() as counter:
-                loss.backward()
-            reduces.append(counter.count)
-            losses.append(loss.detach())
-            grads.append([getattr(p.grad, "_local_tensor", p.grad).clone() for p in model.parameters()])
-            opt.step()
-
-        peaks.append(remat.measure_step(run, model, opt).peak_total)
-    return losses, grads, peaks, reduces
+    """Losses, local gradient shards, per-rank peaks (remat.measure_step) and backward collectives per step."""
+    return train_counting(model, batches, lambda m, batch: _loss(name, m, *batch), _COLLECTIVES)
 
 
 def _bitwise(expected, got) -> bool:

@@ -15,7 +15,7 @@ import json
 
 import torch
 import torch.distributed as dist
-from helpers import CountAllReduces
+from helpers import CountOps
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -63,7 +63,7 @@ def _train(model):
         losses = []  # the forward's bytes at its end are what checkpointing frees: measured with the loss held
         peaks.append(measure_step(lambda: losses.append(model.loss(tokens, targets)), model).peak_above_params)  # noqa: B023
         loss = losses[0]
-        with CountAllReduces() as counter:
+        with CountOps({torch.ops._c10d_functional.all_reduce.default}) as counter:
             loss.backward()
         counts.append(counter.count)
         steps.append([loss.detach().clone()] + [_local(p.grad).clone() for p in model.parameters()])
