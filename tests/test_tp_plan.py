@@ -194,13 +194,21 @@ def _meta_gpt_profile(model: str) -> remat.Profile:
     import tp_plan_worker as worker
     from torch.distributed.device_mesh import init_device_mesh
 
-    tokens = torch.empty(8, worker.GPT_CFG.seq_len, dtype=torch.long, device="meta")
+    tokens, targets = _meta_batch(worker.GPT_CFG, 8)
     with remat.fake_world(2):
         mesh = init_device_mesh("cpu", (2,))
         with torch.device("meta"):
             built = worker._gpt(mesh) if model == "gpt" else worker._gpt_sequence_parallel(mesh)
         return remat.profile(built, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+            logits.flatten(0, 1), targets.flatten()), device="meta", hold_output=False)
+
+
+def _meta_batch(config, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and targets on the meta device laid out as the run's (two slices of one batch): a view of an input
+    counts its storage from then on, as ``measure_step`` does, so the meta step must make the same views."""
+    from remat.models import synthetic_batch
+
+    return synthetic_batch(config, batch, device="meta")
 
 
 @pytest.mark.parametrize("model", ["gpt", "gpt_sequence_parallel"])
@@ -326,13 +334,13 @@ def _meta_partitioned_profile() -> remat.Profile:
     import tp_plan_worker as worker
     from torch.distributed.device_mesh import init_device_mesh
 
-    tokens = torch.empty(worker.PARTITIONED_BATCH, worker.PARTITIONED_CFG.seq_len, dtype=torch.long, device="meta")
+    tokens, targets = _meta_batch(worker.PARTITIONED_CFG, worker.PARTITIONED_BATCH)
     with remat.fake_world(2):
         mesh = init_device_mesh("cpu", (2,))
         with torch.device("meta"):
             built = worker._gpt(mesh, worker.PARTITIONED_CFG)
         return remat.profile(built, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+            logits.flatten(0, 1), targets.flatten()), device="meta", hold_output=False)
 
 
 def test_meta_in_a_fake_world_of_two_prices_partitioned_inputs_over_the_interconnect(per_rank):
@@ -442,7 +450,7 @@ def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh_price_partitioned_inputs_over_t
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    tokens = torch.empty(worker.PARTITIONED_BATCH, worker.PARTITIONED_CFG.seq_len, dtype=torch.long, device="meta")
+    tokens, targets = _meta_batch(worker.PARTITIONED_CFG, worker.PARTITIONED_BATCH)
     with remat.fake_world(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
@@ -452,7 +460,7 @@ def test_fsdp2_and_tensor_parallel_on_a_2x2_mesh_price_partitioned_inputs_over_t
         fully_shard(model, mesh=mesh["dp"])
         assert ranks.tensor_parallel_group(model) is mesh["tp"].get_group()
         prof = remat.profile(model, tokens, loss_fn=lambda logits: torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), tokens.flatten()), device="meta", hold_output=False)
+            logits.flatten(0, 1), targets.flatten()), device="meta", hold_output=False)
     assert {name: (entry.shard, entry.world) for name, entry in prof.partitioned.items()} == {
         f"blocks.{i}": (512 << 10, 2) for i in range(3)}
     every = prof.price({row.name: "checkpoint_partitioned" for row in prof.rows})
