@@ -121,7 +121,7 @@ class _Timeline(TorchDispatchMode):
         record = self.track(t)
         if not record.counted:
             self.events += 1
-            record.counted, record.born_event = True, self.events
+            record.counted, record.birth, record.born_event = True, len(self.segments), self.events
             self._add(record)
         return record
 
