@@ -34,7 +34,9 @@ def _meta_profile() -> remat.Profile:
         mesh = init_device_mesh("cpu", (2,))
         with torch.device("meta"):
             built = worker.llama(mesh)
-        return remat.profile(built, input_ids=ids, position_ids=worker.POSITIONS.to("meta"), labels=ids,
+        # laid out as the run's (one row expanded): a view of an input counts its storage, as measure_step does
+        positions = torch.arange(worker.SEQUENCE, device="meta").expand(worker.BATCH, worker.SEQUENCE)
+        return remat.profile(built, input_ids=ids, position_ids=positions, labels=ids,
                              device="meta", hold_output=False)
 
 

@@ -103,11 +103,26 @@ class _Timeline(TorchDispatchMode):
         record = _Storage(storage.nbytes(), len(self.segments), existing, counted, self.events)
         self.storages[storage] = record
         self.records.append(record)
-        self.live += record.nbytes if counted else 0
-        if self.live >= self.segment_peak:  # at a tie, the later moment: a storage alive then was at both
-            self.segment_peak, self.segment_peak_event = self.live, self.events
+        if counted:
+            self._add(record)
         # A storage's Python object lives as long as the storage: its death frees the bytes.
         weakref.finalize(storage, self._free, record)
+        return record
+
+    def _add(self, record: _Storage) -> None:
+        self.live += record.nbytes
+        if self.live >= self.segment_peak:  # at a tie, the later moment: a storage alive then was at both
+            self.segment_peak, self.segment_peak_event = self.live, self.events
+
+    def _returned(self, t: torch.Tensor) -> _Storage:
+        """The record of a storage an op returned.  An uncounted one (an example input) is counted from here on:
+        MemTracker counts every storage an op returns, one made before the step included, so a view of an input
+        (tensor parallel's ``DTensor.from_local`` of the token ids) brings the input's bytes into the step's."""
+        record = self.track(t)
+        if not record.counted:
+            self.events += 1
+            record.counted, record.birth, record.born_event = True, len(self.segments), self.events
+            self._add(record)
         return record
 
     def resized(self, storage: torch.UntypedStorage) -> None:
@@ -182,7 +197,7 @@ class _Timeline(TorchDispatchMode):
         self.ops += 1
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                record = self.track(t)
+                record = self._returned(t)
                 record.part = "gathered" if gathers_parameters(func) else record.part
         if self.series is not None:
             self.series.append(self.live)
@@ -320,7 +335,8 @@ def _trace(model: nn.Module, forward: Callable[[], Any], loss_fn: Callable[[Any]
     is computed).  Nothing is timed here: the dispatch modes slow every op (times come from the op graphs).
     """
     params = list(model.parameters())
-    # The example inputs exist before the step and are not counted, as MemTracker does not see them.
+    # The example inputs exist before the step and are not counted, as MemTracker does not see them (until an op
+    # returns a view of one).
     timeline = _Timeline([*params, *model.buffers()], uncounted=inputs)
     for t in (*params, *model.buffers()):
         timeline.track(t).part = "states"
