@@ -66,5 +66,6 @@ def test_every_decoder_layer_partitioned_trains_bitwise_at_its_peak_with_one_all
         assert rank["decisions"] == dict.fromkeys(LAYERS, "checkpoint_partitioned")
         assert rank["bitwise"]
         assert rank["predicted_peak"] == on_meta, (rank["predicted_peak"], on_meta)
-        assert all(abs(m - rank["predicted_peak"]) <= 0.03 * m for m in rank["measured"]), rank
+        # above: at most one gathered input (1 MiB) more, which gloo's thread may let go of after the step's peak
+        assert all(-0.03 * m <= m - rank["predicted_peak"] <= 0.03 * m + (1 << 20) for m in rank["measured"]), rank
         assert rank["gathers"] == [len(LAYERS)] * 3 and rank["unplanned_gathers"] == [0] * 3

@@ -280,7 +280,9 @@ def test_partitioned_inputs_train_bitwise_at_the_predicted_peak_with_one_all_gat
     all-gather per block, none sent again, gradients bitwise, and each step's per-rank peak is the prediction.
 
     Within 1.5%: no recomputation here reruns a collective, so no buffer gloo's thread lets go of late enters the
-    prediction; the shard held beside the gathered input in the first block's backward is 2.9% of the peak."""
+    prediction; the shard held beside the gathered input in the first block's backward is 2.9% of the peak.  Above
+    it, a step may hold one gathered input (1 MiB) more: gloo's thread lets go of an all-gather's output after the
+    all-gather has returned, now and then after the step's peak (:func:`_holds`)."""
     for rank in per_rank:
         case = rank["partitioned"]
         assert case["partitioned"] == {f"blocks.{i}": 512 << 10 for i in range(3)}, case["partitioned"]
@@ -290,8 +292,7 @@ def test_partitioned_inputs_train_bitwise_at_the_predicted_peak_with_one_all_gat
         assert planned["rerun"] == 0
         assert planned["reduces"] == [n + 3 for n in case["unplanned_reduces"]], (case["unplanned_reduces"], planned)
         assert len(planned["measured"]) == 3
-        for measured in planned["measured"]:
-            assert abs(measured - planned["predicted_peak"]) <= 0.015 * planned["predicted_peak"], planned
+        assert _holds(planned["measured"], planned["predicted_peak"], 0.015), planned
         assert "one shard per tensor-parallel rank, all-gathered in backward" in planned["printed"], planned["printed"]
 
 
@@ -325,8 +326,16 @@ def test_the_planner_takes_partitioned_inputs_where_no_plan_without_them_fits(pe
         assert partitioned, planned["decisions"]
         assert planned["bitwise"] and planned["rerun"] == 0, planned
         assert planned["reduces"] == [n + len(partitioned) for n in case["unplanned_reduces"]], planned
-        for measured in planned["measured"]:
-            assert abs(measured - planned["predicted_peak"]) <= 0.03 * planned["predicted_peak"], planned
+        assert _holds(planned["measured"], planned["predicted_peak"], 0.03), planned
+
+
+_GATHERED = 1 << 20  # a partitioned block's input, whole: what one all-gather in backward allocates
+
+
+def _holds(measured: list[int], predicted: int, share: float) -> bool:
+    """Every step within ``share`` of the prediction, or above it by at most one all-gather's output more, which
+    gloo's thread may not have let go of yet at the step's peak (never below)."""
+    return all(-share * predicted <= m - predicted <= share * predicted + _GATHERED for m in measured)
 
 
 def _meta_partitioned_profile() -> remat.Profile:
