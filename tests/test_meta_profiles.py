@@ -158,3 +158,26 @@ def test_attention_on_meta_takes_the_kernel_the_cpu_takes():
     assert fused.grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"
     assert math.grad_fn.name() != fused.grad_fn.name()
     assert biased.grad_fn.name() != fused.grad_fn.name()
+
+
+def test_a_meta_profile_is_priced_from_flops_and_bytes_alone_whatever_this_machines_overheads(monkeypatch):
+    """A meta profile plans for another machine: the checkpoint machinery's costs measured on this one (which
+    would price a selective point, or save_matmuls, above checkpointing the whole block) do not enter it."""
+    import remat.planning.measure.opgraph as opgraph
+    from remat.models import GPT, GPTConfig
+    from remat.planning.choices.chain import chain_options
+    from remat.planning.measure.overheads import Overheads
+
+    cfg = GPTConfig(n_layers=2, d_model=128, n_heads=4, seq_len=128, vocab_size=256)
+
+    def prices():
+        with torch.device("meta"):
+            model, tokens = GPT(cfg), torch.randint(0, 256, (2, 128))
+        prof = remat.profile(model, tokens, loss_fn=lambda logits: logits.float().sum(), device="meta")
+        return [(o.name, o.kept, o.extra_time) for choices in chain_options(prof) for o in choices]
+
+    first = prices()
+    monkeypatch.setattr(opgraph, "cached_overheads", lambda *args: Overheads(1e-3, 1e-3, 1e-3, 1e-3, 1e-9))
+    assert prices() == first
+    first_block = {name: extra for name, _, extra in first[:3]}  # keep, checkpoint, save_matmuls of blocks.0
+    assert 0 < first_block["save_matmuls"] < first_block["checkpoint"]

@@ -515,6 +515,8 @@ def profile_ops(
             handles.clear()
             for finalizer in recorder.finalizers:
                 finalizer.detach()
+            if overheads is None and on_meta:  # planned for another machine: FLOPs and bytes only, alike anywhere
+                overheads = Overheads(0.0, 0.0, 0.0, 0.0, 2 / bandwidth)
             measure_policy = overheads is None
             device = str(device_of(tensors))
             ranks = Ranks.of(model)  # FSDP2 blocks gathered by every rank first; all timed alike (timings_cache)
