@@ -43,7 +43,7 @@ from ...policies.partition import shard_bytes
 from ..basics.ranks import Ranks, reshard, tensor_parallel_group
 from ..basics.userline import user_stacklevel
 from .interconnect import Interconnect
-from .timecache import StaleTimings, TimingCache, stale_slack, timings_cache, unsteady_limit
+from .timecache import StaleTimings, TimingCache, agrees, spread_of, stale_slack, timings_cache, unsteady_limit
 from .timing import Clock
 
 __all__ = ["PartitionedInputs", "kept_gather_times", "partitioned_inputs"]
@@ -170,8 +170,7 @@ def kept_gather_times(cache: TimingCache, sizes: set[int], group_key: str, devic
     if found and stale_slack(0.0) != float("inf"):
         largest = found[-1]
         now, entry = cache.same(timed(largest, 1)[0]), kept[largest]
-        slack = stale_slack(entry["spread"])
-        if not (now <= entry["seconds"] * (1 + slack) and entry["seconds"] <= now * (1 + slack)):
+        if not agrees(entry["seconds"], now, stale_slack(entry["spread"])):
             warnings.warn(StaleTimings(
                 f"remat.profile: the cached times of all-gathers over {group_key} are not this machine's now "
                 f"(an all-gather of a {largest}-byte shard takes {entry['seconds'] * 1e3:.3f} ms by them, "
@@ -181,8 +180,7 @@ def kept_gather_times(cache: TimingCache, sizes: set[int], group_key: str, devic
     for size, entry in kept.items():
         if entry is None:
             rounds = cache.same(timed(size, _ROUNDS))
-            median = statistics.median(rounds)
-            entry = {"seconds": median, "spread": (max(rounds) - min(rounds)) / median if median > 0 else 0.0}
+            entry = {"seconds": statistics.median(rounds), "spread": spread_of(rounds)}
             if entry["spread"] <= unsteady_limit():  # an unsteady time serves this profile only
                 cache.put("gather", f"{size}|{group_key}", device, entry)
         seconds[size] = entry["seconds"]

@@ -26,7 +26,7 @@ from ...api.checkpoint import checkpoint
 from ..basics.blockpolicy import BlockPolicy, OpDecision
 from ..basics.units import format_bytes
 from ..basics.userline import user_stacklevel
-from .timecache import StaleTimings, TimingCache, stale_slack
+from .timecache import StaleTimings, TimingCache, agrees, stale_slack
 from .timing import Clock, spread
 
 __all__ = ["Overheads", "cached_overheads", "measure_overheads"]
@@ -131,8 +131,7 @@ def _moved(cached: Overheads, device: str, ops: int, copy_bytes: int) -> str:
     slack = stale_slack(rounds_spread)
     floor = 1e-6  # figures below a microsecond are noise either way
     for (what, kept), (_, fresh) in zip(_figures(cached, ops, copy_bytes), _figures(now, ops, copy_bytes)):
-        ratio = max(kept, floor) / max(fresh, floor)
-        if not 1 / (1 + slack) <= ratio <= 1 + slack:
+        if not agrees(max(kept, floor), max(fresh, floor), slack):
             return f"{what} costs {kept * 1e3:.3f} ms by them, {fresh * 1e3:.3f} ms now"
     return ""
 

@@ -38,9 +38,10 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,8 @@ import torch
 from ..basics.ranks import Ranks
 from ..basics.userline import user_stacklevel
 
-__all__ = ["STALE", "UNSTEADY", "StaleTimings", "StepTime", "TimingCache", "cache_dir", "cached_times",
-           "measuring_afresh", "model_key", "stale", "stale_slack", "timings_cache", "unsteady_limit"]
+__all__ = ["STALE", "UNSTEADY", "StaleTimings", "StepTime", "TimingCache", "agrees", "cache_dir", "cached_times",
+           "measuring_afresh", "model_key", "spread_of", "stale", "stale_slack", "timings_cache", "unsteady_limit"]
 
 _VERSION = 3  # 3: unsteady timings are not written; a model's step time is kept beside its blocks' timings
 
@@ -92,8 +93,7 @@ def stale(cached_forward: float, step: StepTime, entry: dict[str, float] | None)
         return (f"their blocks' forwards add up to {cached_forward * 1e3:.1f} ms, more than this process's whole "
                 f"training step ({step.seconds * 1e3:.1f} ms)")
     if entry is not None and step.seconds > 0:
-        ratio = entry["seconds"] / step.seconds
-        if not 1 / (1 + slack) <= ratio <= 1 + slack:
+        if not agrees(entry["seconds"], step.seconds, slack):
             return (f"the training step measured with them took {entry['seconds'] * 1e3:.1f} ms, this process's "
                     f"{step.seconds * 1e3:.1f} ms")
     return ""
@@ -112,6 +112,27 @@ def unsteady_limit() -> float:
         0.1
     """
     return float(os.environ.get("REMAT_UNSTEADY_SPREAD", UNSTEADY))
+
+
+def agrees(kept: float, now: float, slack: float) -> bool:
+    """Whether a kept time and the same time measured now are within ``slack`` (a share) of each other, either way.
+
+    Example:
+        >>> agrees(0.010, 0.014, stale_slack(0.0)), agrees(0.010, 0.020, 0.5)
+        (True, False)
+    """
+    return kept <= now * (1 + slack) and now <= kept * (1 + slack)
+
+
+def spread_of(rounds: Sequence[float]) -> float:
+    """How far apart timed rounds are: their range over their median (0 where the median is 0).
+
+    Example:
+        >>> round(spread_of([1.0, 1.1, 0.9]), 3)
+        0.2
+    """
+    median = statistics.median(rounds)
+    return (max(rounds) - min(rounds)) / median if median > 0 else 0.0
 
 
 def stale_slack(spread: float) -> float:

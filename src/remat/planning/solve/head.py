@@ -30,7 +30,7 @@ from ..basics.memory import budget_on_device
 from ..basics.units import Budget, parse_budget
 from ..choices.options import DEFAULT_ALLOW
 from ..measure.profile import StepProfile, _assemble
-from ..measure.timecache import stale_slack, timings_cache, unsteady_limit
+from ..measure.timecache import agrees, spread_of, stale_slack, timings_cache, unsteady_limit
 from ..measure.timeline import _trace
 from ..measure.timing import Clock
 from .alternatives import distinct_plans, plan_for, plans_near
@@ -154,22 +154,22 @@ def _head_time(head: nn.Linear, labels: torch.Tensor, chunks: int, softcap: floa
             leaf.grad = None
         return clock.time(step)[1]
 
-    seconds(unchunked), seconds(chunked)  # warm-up
     key = (f"{labels.numel()}x{head.in_features}->{head.out_features}|{head.weight.dtype}|bias={bias is not None}|"
            f"chunks={chunks}|softcap={softcap}")
     with timings_cache() as cache:
         kept = cache.get("head", key, str(device))
-        if kept is not None:
-            ratio = seconds(unchunked) / kept["plain"]
-            slack = stale_slack(kept["spread"])
-            if 1 / (1 + slack) <= ratio <= 1 + slack:
-                return kept["seconds"]
+        slack = stale_slack(kept["spread"]) if kept is not None else 0.0
+        if kept is not None and slack == float("inf"):  # never stale: nothing to time
+            return kept["seconds"]
+        seconds(unchunked), seconds(chunked)  # warm-up
+        if kept is not None and agrees(kept["plain"], seconds(unchunked), slack):
+            return kept["seconds"]
         rounds = [(seconds(unchunked), seconds(chunked)) for _ in range(max(1, repeats))]  # back to back, one load
-        plain = statistics.median(p for p, _ in rounds)
+        plain = [p for p, _ in rounds]
         extra = max(0.0, statistics.median(c - p for p, c in rounds))
-        spread = (max(p for p, _ in rounds) - min(p for p, _ in rounds)) / plain if plain > 0 else 0.0
-        if spread <= unsteady_limit():
-            cache.put("head", key, str(device), {"seconds": extra, "plain": plain, "spread": spread})
+        if spread_of(plain) <= unsteady_limit():
+            cache.put("head", key, str(device),
+                      {"seconds": extra, "plain": statistics.median(plain), "spread": spread_of(plain)})
     return extra
 
 
