@@ -29,7 +29,7 @@ from ..measure.profile import StepProfile
 from .plan import Plan
 from .solver import cheapest, plan_from_profile, plan_of
 
-__all__ = ["distinct_plans", "plan_for", "plans_near"]
+__all__ = ["distinct_plans", "plan_for", "plans_near", "quiet_first"]
 
 _Placed = list[tuple[int, BlockOption]]
 _SEARCHED = 16  # placements searched per plan asked for at most: alike blocks' orders must not run on
@@ -74,9 +74,17 @@ def plans_near(prof: StepProfile, budget: Budget | int | float | str, count: int
         frontier = sorted(runners_up, key=_extra_time)
     others = [plan_of(prof, placed, first.budget) for placed in found.values()]
     # the solver's first may be a rule that equals one found here
-    # as the solver: plans that send collectives again after those that send none
-    return distinct_plans([first, *sorted(others, key=lambda p: (p.collectives_rerun > 0, p.predicted_extra_time,
-                                                                  p.predicted_peak))])[:count]
+    return distinct_plans([first, *sorted(others, key=lambda p: (*quiet_first(p), p.predicted_peak))])[:count]
+
+
+def quiet_first(plan: Plan) -> tuple[bool, float]:
+    """How plans are ordered, as the solver picks them: those whose recomputations send no collective again first
+    (a collective sent again waits on every rank, which no one rank's price shows), then by predicted extra time.
+
+    Example:
+        >>> min(plans, key=quiet_first)
+    """
+    return plan.collectives_rerun > 0, plan.predicted_extra_time
 
 
 def distinct_plans(plans: Iterable[Plan]) -> list[Plan]:

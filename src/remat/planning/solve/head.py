@@ -33,7 +33,7 @@ from ..measure.profile import StepProfile, _assemble
 from ..measure.timecache import agrees, spread_of, stale_slack, timings_cache, unsteady_limit
 from ..measure.timeline import _trace
 from ..measure.timing import Clock
-from .alternatives import distinct_plans, plan_for, plans_near
+from .alternatives import distinct_plans, plan_for, plans_near, quiet_first
 from .plan import Plan
 from .solver import InfeasibleBudget, plan_from_profile
 
@@ -188,9 +188,7 @@ def plan_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | 
     def solve(profile: StepProfile, whole: Budget) -> list[Plan]:
         return [plan_from_profile(profile, whole) if allow is None else plan_from_profile(profile, whole, allow)]
 
-    # as plan_from_profile: a plan that sends collectives again only where none that keeps them fits
-    return min(_on_both(prof, head, budget, solve),
-               key=lambda made: (made.collectives_rerun > 0, made.predicted_extra_time))
+    return min(_on_both(prof, head, budget, solve), key=quiet_first)
 
 
 def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: Budget | int | float | str,
@@ -203,9 +201,7 @@ def alternatives_with_head(prof: StepProfile, head: HeadOption | None, budget: B
         >>> plans = alternatives_with_head(prof, prof.head, "20%", count=3)
     """
     found = _on_both(prof, head, budget, lambda profile, whole: plans_near(profile, whole, count, allow))
-    # as plan_with_head: those that send no collective again first
-    return distinct_plans(sorted(found, key=lambda made: (made.collectives_rerun > 0, made.predicted_extra_time))
-                          )[:count]
+    return distinct_plans(sorted(found, key=quiet_first))[:count]
 
 
 def price_with_head(prof: StepProfile, head: HeadOption | None, decisions: Mapping[str, str],
