@@ -255,24 +255,25 @@ def measure(model: nn.Module, example_inputs: tuple, example_kwargs: dict, block
                                throughput=throughput, interconnect=interconnect, **example_kwargs)
     for row in prof.rows:
         graph = prof.ops.blocks.get(row.name)
-        if device == "meta" and graph is not None:  # the FLOPs priced its compute; its collectives cross the wire
+        row.writes_input = graph is not None and graph.writes_input
+        if graph is None:
+            continue
+        prices = BlockPrices(graph)
+        if device == "meta":  # the FLOPs priced its compute; its collectives cross the wire
             rerun, tail = _communication(graph.nodes[:graph.stop]), _communication(graph.nodes[graph.stop:])
             row.forward_time += rerun + tail
             row.checkpoint_time += rerun
             row.tail_time += tail  # a block inside a region reruns its tail, collectives included
             # save_matmuls reruns what is not a matmul: priced on the checkpoint's scale, as the selective points are
-            prices = BlockPrices(graph)
             if prices.checkpoint_time > 0 and row.save_matmuls_time != float("inf"):
                 row.save_matmuls_time = row.checkpoint_time * (prices.time("selective", prices.matmul_nodes())
                                                                / prices.checkpoint_time)
-        row.writes_input = graph is not None and graph.writes_input
-        if graph is not None:
-            # save_matmuls serves its recomputation the kept matmul outputs it reruns to
-            served = set(BlockPrices(graph).matmul_nodes())
-            row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
-            row.forward_spared, row.matmul_forward_spared = forward_spared(graph), forward_spared(graph, matmuls(graph))
-            row.collectives = len(sent_again(graph))
-            row.tail_collectives = len(sent_again(graph, whole=True)) - row.collectives
+        # save_matmuls serves its recomputation the kept matmul outputs it reruns to
+        served = set(prices.matmul_nodes())
+        row.matmul_spared_bytes = recompute_peak(graph) - recompute_peak(graph, served)
+        row.forward_spared, row.matmul_forward_spared = forward_spared(graph), forward_spared(graph, matmuls(graph))
+        row.collectives = len(sent_again(graph))
+        row.tail_collectives = len(sent_again(graph, whole=True)) - row.collectives
     return prof
 
 
