@@ -78,3 +78,18 @@ def two_rank_reports(tmp_path_factory):
                                                           "ecosystem_worker", "tp_plan_worker",
                                                           "tp_llama_worker")}
     return run_two_ranks("two_ranks.py", *(f"{name}={path}" for name, path in reports.items())), reports
+
+
+@pytest.fixture(scope="session")
+def two_rank_report(two_rank_reports):
+    """``report(worker)``: what one check of the two-rank launch wrote (every rank's results, as JSON), once the
+    launch is known to have ended well (its stderr's end where it did not)."""
+    import json
+
+    out, reports = two_rank_reports
+
+    def report(worker: str):
+        assert out.returncode == 0, out.stderr[-4000:]
+        return json.loads(reports[worker].read_text())
+
+    return report

@@ -3,7 +3,6 @@
 its model with FSDP2, torchtitan's order (checkpointing, then compile per block, then ``fully_shard``), and
 Hugging Face's Trainer (DDP on the CPU); and the command's rank questions answered in one process."""
 
-import json
 
 import pytest
 import torch
@@ -16,10 +15,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 
 @pytest.fixture(scope="module")
-def per_rank(two_rank_reports):
-    out, reports = two_rank_reports
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(reports["ecosystem_worker"].read_text())
+def per_rank(two_rank_report):
+    return two_rank_report("ecosystem_worker")
 
 
 @pytest.mark.parametrize("wrapper", ["command", "command_ddp"])

@@ -2,7 +2,6 @@
 (``remat.fake_world``), profiled as rank 0 of N; its peaks against those a real two-rank run measured
 (tests/fakeworld_worker.py, in conftest's one ``two_rank_reports`` launch)."""
 
-import json
 
 import pytest
 import torch
@@ -18,10 +17,8 @@ import fakeworld_worker as worker  # noqa: E402  (the two-rank run this file pre
 
 
 @pytest.fixture(scope="module")
-def measured(two_rank_reports):
-    out, reports = two_rank_reports
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(reports["fakeworld_worker"].read_text())
+def measured(two_rank_report):
+    return two_rank_report("fakeworld_worker")
 
 
 def _meta_profile(case: str) -> remat.Profile:

@@ -1,7 +1,6 @@
 """remat.plan on every rank of a torchrun job (two CPU ranks, gloo; the launch is conftest's ``two_rank_reports``,
 the ranks' work tests/ranks_worker.py), and the rank and wrapper questions answered in one process."""
 
-import json
 
 import pytest
 import torch
@@ -19,10 +18,8 @@ WRAPPERS = ("fsdp2", "fsdp2_kept", "ddp")
 
 
 @pytest.fixture(scope="module")
-def per_rank(two_rank_reports):
-    out, reports = two_rank_reports
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(reports["ranks_worker"].read_text())
+def per_rank(two_rank_report):
+    return two_rank_report("ranks_worker")
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)

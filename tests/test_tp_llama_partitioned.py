@@ -3,7 +3,6 @@ attention and the MLP, whose layers are each handed the rotary tables beside the
 tests/tp_llama_worker.py).  The option shards a layer's activations only, so each layer has it: priced on the meta
 device in a fake world of two ranks, and trained on two CPU ranks (gloo) at its predicted peak, bitwise."""
 
-import json
 
 import pytest
 import torch
@@ -17,10 +16,8 @@ LAYERS = ("model.layers.0", "model.layers.1")
 
 
 @pytest.fixture(scope="module")
-def per_rank(two_rank_reports):
-    out, reports = two_rank_reports
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(reports["tp_llama_worker"].read_text())
+def per_rank(two_rank_report):
+    return two_rank_report("tp_llama_worker")
 
 
 def _meta_profile() -> remat.Profile:

@@ -2,7 +2,6 @@
 CPU ranks, gloo; the launch is conftest's ``two_rank_reports``, the ranks' work tests/tp_plan_worker.py), and a
 plan's mesh and a sequence-sharded activation's bytes checked in one process."""
 
-import json
 
 import pytest
 import torch
@@ -20,10 +19,8 @@ PLANS = (*BUDGETS, "every block", "floor")  # at each budget, every block checkp
 
 
 @pytest.fixture(scope="module")
-def per_rank(two_rank_reports):
-    out, reports = two_rank_reports
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(reports["tp_plan_worker"].read_text())
+def per_rank(two_rank_report):
+    return two_rank_report("tp_plan_worker")
 
 
 @pytest.mark.parametrize("model", MODELS)
