@@ -63,12 +63,7 @@ def _llama():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    generator = torch.Generator().manual_seed(100 + dist.get_rank())
-    batches = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=generator)
-        batches.append(((), {"input_ids": ids, "labels": ids}, None))
-    return model, model.model.layers, batches
+    return model, model.model.layers, _labelled_batches(cfg.vocab_size)
 
 
 def _gpt2():
@@ -79,12 +74,14 @@ def _gpt2():
     cfg = GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=4, n_head=4, use_cache=False)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg).train()
+    return model, model.transformer.h, _labelled_batches(cfg.vocab_size)
+
+
+def _labelled_batches(vocab_size: int) -> list:
+    """This rank's batches for a Hugging Face causal LM (2 x 64 token ids, the loss from ``labels``)."""
     generator = torch.Generator().manual_seed(100 + dist.get_rank())
-    batches = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, cfg.vocab_size, (2, 64), generator=generator)
-        batches.append(((), {"input_ids": ids, "labels": ids}, None))
-    return model, model.transformer.h, batches
+    ids = [torch.randint(0, vocab_size, (2, 64), generator=generator) for _ in range(STEPS)]
+    return [((), {"input_ids": batch, "labels": batch}, None) for batch in ids]
 
 
 MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2}
